@@ -1,0 +1,59 @@
+"""fusible-ops: composable basic operations and an operation fuser for PyTorch.
+
+>>> import fusible_ops as fo
+>>> experts = fo.Sequential(fo.GroupedLinear(4, 64, 128), fo.ScaledSwiGLU(), fo.GroupedLinear(4, 64, 64))
+"""
+
+from __future__ import annotations
+
+from . import fused as _fused  # noqa: F401  (registers the built-in fusion rules)
+from .basic import (
+    GEGLU,
+    GELU,
+    AddExtraInput,
+    BasicLinear,
+    Bias,
+    ClampedSwiGLU,
+    ConstantScale,
+    Dropout,
+    GroupedLinear,
+    Identity,
+    LayerNorm,
+    MakeExtraOutput,
+    ReGLU,
+    ReLU,
+    Reshape,
+    RMSNorm,
+    Scale,
+    ScaledClampedSwiGLU,
+    ScaledGEGLU,
+    ScaledSReLU,
+    ScaledSwiGLU,
+    SiLU,
+    SReLU,
+    SwiGLU,
+)
+from .buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_output
+from .composites import Linear
+from .fused import GroupedMLP
+from .fuser import OperationFuser
+from .fusion_rules import FusionContext, register_fusion, unregister_fusion, window_rule
+from .kernels import BackendUnavailableError
+from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
+from .plan import FusionDecision, FusionPlan, SequentialPlan
+from .sequential import Sequential
+from .settings import Settings, current_settings, settings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GEGLU", "GELU", "GRAD_INPUT_BUFFER_KEY", "OUTPUT_BUFFER_KEY", "AddExtraInput",
+    "BackendUnavailableError", "BasicLinear", "BasicOperation", "Bias", "ClampedSwiGLU",
+    "ConstantScale", "Dropout", "FusedOperation", "FusibleOperation", "FusionContext",
+    "FusionDecision", "FusionPlan", "GroupedLinear", "GroupedMLP", "Identity", "LayerNorm",
+    "Linear", "MakeExtraOutput", "OperationContext", "OperationFuser", "RMSNorm", "ReGLU", "ReLU",
+    "Reshape", "SReLU", "Scale", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledSReLU",
+    "ScaledSwiGLU", "Sequential", "SequentialPlan", "Settings", "SiLU", "SwiGLU",
+    "current_settings", "register_fusion", "settings", "unregister_fusion",
+    "validate_or_alloc_output", "window_rule",
+]

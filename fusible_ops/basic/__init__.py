@@ -1,0 +1,26 @@
+"""Basic operations: each owns its parameters and says what it computes and saves."""
+
+from __future__ import annotations
+
+from .activations import GEGLU, GELU, Activation, ClampedSwiGLU, ReGLU, ReLU, SiLU, SReLU, SwiGLU
+from .dropout import Dropout
+from .extra_io import AddExtraInput, MakeExtraOutput
+from .grouped_linear import GroupedLinear
+from .linear import BasicLinear, Bias
+from .norms import LayerNorm, RMSNorm
+from .scale import ConstantScale, Scale
+from .scaled_activations import (
+    ScaledActivation,
+    ScaledClampedSwiGLU,
+    ScaledGEGLU,
+    ScaledSReLU,
+    ScaledSwiGLU,
+)
+from .shape import Identity, Reshape
+
+__all__ = [
+    "GEGLU", "GELU", "Activation", "AddExtraInput", "BasicLinear", "Bias", "ClampedSwiGLU",
+    "ConstantScale", "Dropout", "GroupedLinear", "Identity", "LayerNorm", "MakeExtraOutput",
+    "RMSNorm", "ReGLU", "ReLU", "Reshape", "SReLU", "Scale", "ScaledActivation",
+    "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledSReLU", "ScaledSwiGLU", "SiLU", "SwiGLU",
+]

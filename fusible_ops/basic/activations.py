@@ -1,0 +1,142 @@
+"""Pointwise activations and gated linear units (GLU family).
+
+Gated ops read the gate from the first half of the last dim and the linear part from
+the second half, or with ``glu_interleave_size=k`` from alternating blocks of ``k``
+columns. Shapes: input ``[..., 2n]`` -> output ``[..., n]`` (gated), ``[..., n]`` ->
+``[..., n]`` otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.activation import ActivationSpec, activation_backward, activation_forward
+from ..op import BasicOperation, OperationContext, TensorMeta
+
+
+def check_activation_input(op_name: str, spec: ActivationSpec, meta: TensorMeta) -> TensorMeta:
+    """Validate the last dim for ``spec``; return the output meta."""
+    if not meta.dtype.is_floating_point:
+        raise ValueError(f"{op_name}: input must be floating point, got {meta.dtype}")
+    if len(meta.shape) < 1:
+        raise ValueError(f"{op_name}: input must have at least 1 dim")
+    if not spec.gated:
+        return meta
+    width = meta.shape[-1]
+    block = 2 * (spec.glu_interleave_size or 1)
+    if width % block:
+        what = "even" if block == 2 else f"a multiple of {block} (2 x glu_interleave_size)"
+        raise ValueError(f"{op_name}: the last dim ({width}) must be {what} to split into gate and linear parts")
+    return TensorMeta((*meta.shape[:-1], width // 2), meta.dtype, meta.device)
+
+
+class Activation(BasicOperation):
+    """Base of the activation ops; subclasses fix ``kind`` (and gated options)."""
+
+    kind: str = ""
+
+    def __init__(self, *, glu_interleave_size: int | None = None, **spec_options: float) -> None:
+        super().__init__()
+        self.spec = ActivationSpec(self.kind, glu_interleave_size=glu_interleave_size, **spec_options)
+
+    def extra_repr(self) -> str:
+        if self.spec.glu_interleave_size is None:
+            return ""
+        return f"glu_interleave_size={self.spec.glu_interleave_size}"
+
+    def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
+        return check_activation_input(self.op_name(), self.spec, input_meta)
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
+        if ctx.requires_grad:
+            ctx.save_for_backward(input=input_)
+        return activation_forward(self.spec, input_)
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        return activation_backward(self.spec, ctx.saved["input"], grad_output), []
+
+
+class ReLU(Activation):
+    """``max(x, 0)``."""
+
+    kind = "relu"
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+class GELU(Activation):
+    """GELU, tanh approximation."""
+
+    kind = "gelu"
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+class SiLU(Activation):
+    """``x * sigmoid(x)``."""
+
+    kind = "silu"
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+class SReLU(Activation):
+    """Squared ReLU: ``relu(x) ** 2``."""
+
+    kind = "srelu"
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+class SwiGLU(Activation):
+    """``silu(gate) * linear``."""
+
+    kind = "swiglu"
+
+    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+
+
+class GEGLU(Activation):
+    """``gelu_tanh(gate) * linear``."""
+
+    kind = "geglu"
+
+    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+
+
+class ReGLU(Activation):
+    """``relu(gate) * linear``."""
+
+    kind = "reglu"
+
+    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+
+
+class ClampedSwiGLU(Activation):
+    """GPT-OSS style: ``g = min(gate, limit)``, ``l = clamp(linear, -limit, limit)``,
+    output ``g * sigmoid(alpha * g) * (l + glu_linear_offset)``."""
+
+    kind = "clamped_swiglu"
+
+    def __init__(
+        self,
+        limit: float = 7.0,
+        alpha: float = 1.702,
+        glu_linear_offset: float = 1.0,
+        glu_interleave_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            glu_interleave_size=glu_interleave_size, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset
+        )
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        text = f"limit={s.limit}, alpha={s.alpha}, glu_linear_offset={s.glu_linear_offset}"
+        return text + (f", glu_interleave_size={s.glu_interleave_size}" if s.glu_interleave_size else "")

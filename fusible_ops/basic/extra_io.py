@@ -1,0 +1,41 @@
+"""Ops that bring a tensor into the chain or hand one out of it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..op import BasicOperation, OperationContext
+
+
+class AddExtraInput(BasicOperation):
+    """``y = x + extra`` with ``extra`` (same shape as ``x``) given as an extra input."""
+
+    num_extra_inputs = 1
+
+    def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
+        extra = extra_inputs[0]
+        if not isinstance(extra, torch.Tensor) or tuple(extra.shape) != tuple(input_meta.shape):
+            got = list(extra.shape) if isinstance(extra, torch.Tensor) else type(extra).__name__
+            raise ValueError(f"AddExtraInput: extra input must be a tensor of shape {list(input_meta.shape)}, got {got}")
+        return input_meta
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        ctx.extra_requires_grad = extra.requires_grad
+        return input_ + extra
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        return grad_output, [], (grad_output if ctx.extra_requires_grad else None,)
+
+
+class MakeExtraOutput(BasicOperation):
+    """Passes ``x`` on and also returns it as an extra output of the Sequential."""
+
+    num_extra_outputs = 1
+
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+        return input_, [(input_,)]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        (grad_extra,) = basic_op_grad_extra_outputs[0]
+        grad_input = grad_output if grad_extra is None else grad_output + grad_extra
+        return grad_input, [[]], [()]

@@ -1,0 +1,172 @@
+"""GroupedLinear: one linear layer per group of token rows (the MoE experts' GEMM)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_rows
+from ..kernels import GroupedGemmBackend, select_backend
+from ..op import BasicOperation, OperationContext, TensorMeta
+from ..settings import current_settings
+from ..splits import check_split_sizes, to_split_info
+
+
+def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_features: int) -> None:
+    """Shared input checks of the linear ops: feature count, dtype and device match."""
+    if len(meta.shape) < 1 or meta.shape[-1] != in_features:
+        raise ValueError(f"{op_name}: input has shape {list(meta.shape)}; expected [..., {in_features}]")
+    if meta.dtype != param.dtype:
+        raise ValueError(
+            f"{op_name}: input dtype {meta.dtype} does not match the weight dtype {param.dtype}; "
+            "convert one of them (e.g. module.to(dtype))"
+        )
+    if meta.device != param.device:
+        raise ValueError(f"{op_name}: input is on {meta.device} but the weight is on {param.device}")
+
+
+class GroupedLinear(BasicOperation):
+    """``y[rows of group g] = x[rows of group g] @ weight[g].T (+ bias[g])``.
+
+    Args:
+        num_groups: number of groups (experts) ``G``.
+        in_features / out_features: ``K`` / ``N``.
+        bias: add a per-group bias ``[G, N]``.
+
+    Shapes: input ``[..., K]`` (leading dims are token rows, sorted by group), extra
+    input ``split_sizes`` (``[G]`` int tensor on any device, or a list of ints),
+    output ``[..., N]``. ``weight`` is ``[G, N, K]`` (the ``[experts, out, in]``
+    checkpoint layout). Kwargs: ``output`` (buffer for the result) and
+    ``grad_input`` (buffer for the input gradient).
+    """
+
+    num_extra_inputs = 1
+    accepted_kwargs = frozenset({OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY})
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if num_groups < 1 or in_features < 1 or out_features < 1:
+            raise ValueError(
+                f"GroupedLinear: num_groups, in_features and out_features must be positive, got "
+                f"{num_groups}, {in_features}, {out_features}"
+            )
+        self.num_groups = num_groups
+        self.in_features = in_features
+        self.out_features = out_features
+        factory = {"device": device, "dtype": dtype}
+        self.weight = torch.nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(num_groups, out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Per group, the initialisation ``torch.nn.Linear`` uses."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            for g in range(self.num_groups):
+                torch.nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
+            if self.bias is not None:
+                torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_groups={self.num_groups}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors):
+        # Accept per-group keys weight0..weight{G-1} (and bias0..) as well as the stacked tensors.
+        for name in ("weight", "bias"):
+            per_group = [f"{prefix}{name}{g}" for g in range(self.num_groups)]
+            if prefix + name not in state_dict and all(k in state_dict for k in per_group):
+                state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in per_group])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors)
+
+    # ------------------------------------------------------------ planning / checks
+    def backend_for(self, device: torch.device, dtype: torch.dtype) -> GroupedGemmBackend:
+        return select_backend(device, dtype, purpose="gemm", forced=current_settings().backend).backend
+
+    def plan_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        return self.backend_for(device, dtype).name
+
+    def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
+        name = self.op_name()
+        check_float_input(name, input_meta, self.weight, self.in_features)
+        rows = math.prod(input_meta.shape[:-1])
+        check_split_sizes(name, extra_inputs[0], self.num_groups, rows)
+        out_shape = (*input_meta.shape[:-1], self.out_features)
+        for key, shape in ((OUTPUT_BUFFER_KEY, out_shape), (GRAD_INPUT_BUFFER_KEY, input_meta.shape)):
+            buffer = kwargs.get(key)
+            if buffer is not None:
+                validate_or_alloc_rows(
+                    buffer, shape, input_meta.dtype, input_meta.device, op_name=name, key=key, no_overlap=guard
+                )
+        return TensorMeta(out_shape, input_meta.dtype, input_meta.device)
+
+    # ------------------------------------------------------------ math
+    def op_forward(
+        self,
+        ctx: OperationContext,
+        input_: torch.Tensor,
+        split_sizes: Any,
+        output: torch.Tensor | None = None,
+        grad_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = input_.reshape(-1, self.in_features)
+        splits = to_split_info(split_sizes, x.shape[0], x.device)
+        backend = self.backend_for(x.device, x.dtype)
+        out_shape = (*input_.shape[:-1], self.out_features)
+        out = None
+        if output is not None:
+            out = validate_or_alloc_rows(output, out_shape, x.dtype, x.device, op_name=self.op_name())
+        y = backend.fprop(
+            x, self.weight, splits.host, splits.offsets, bias=self.bias, out=None if out is None else out.view(-1, self.out_features)
+        )
+        if ctx.requires_grad:
+            # Parameters are read from the module in backward, not saved: only
+            # activations count as saved-for-backward memory.
+            ctx.save_for_backward(x=x if self.weight.requires_grad else None, offsets=splits.offsets)
+            ctx.backend = backend
+            ctx.host_splits = splits.host
+            ctx.input_shape = input_.shape
+            # The grad-input buffer is a destination, not saved state: it must stay the
+            # caller's own memory even when saved-tensor hooks offload what is saved.
+            ctx.grad_input_buffer = grad_input
+        return out if out is not None else y.view(out_shape)
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        saved = ctx.saved
+        backend: GroupedGemmBackend = ctx.backend
+        dy = grad_output.reshape(-1, self.out_features)
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        grad_input = None
+        if ctx.input_requires_grad:
+            out = None
+            if ctx.grad_input_buffer is not None:
+                out = validate_or_alloc_rows(
+                    ctx.grad_input_buffer, ctx.input_shape, dy.dtype, dy.device, op_name=self.op_name(),
+                    key=GRAD_INPUT_BUFFER_KEY,
+                ).view(-1, self.in_features)
+            grad_input = backend.dgrad(dy, self.weight, ctx.host_splits, saved["offsets"], out=out)
+            grad_input = grad_input.view(ctx.input_shape)
+        grad_weight = grad_bias = None
+        if self.weight.requires_grad:
+            grad_weight = backend.wgrad(dy, saved["x"], ctx.host_splits, saved["offsets"])
+        if self.bias is not None and self.bias.requires_grad:
+            grad_bias = backend.bias_grad(dy, ctx.host_splits, saved["offsets"], self.num_groups)
+        params = [grad_weight] if self.bias is None else [grad_weight, grad_bias]
+        return grad_input, params, (None,)

@@ -1,0 +1,103 @@
+"""Dense linear layer as two basic ops: ``BasicLinear`` (the GEMM) and ``Bias``.
+
+``BasicLinear`` computes through :func:`fusible_ops.parallel.tp_linear.tp_linear_forward`,
+so DTensor weights (tensor parallelism) work eagerly and under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..op import BasicOperation, OperationContext, TensorMeta
+from ..parallel.tp_linear import tp_linear_forward
+from .grouped_linear import check_float_input
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+class BasicLinear(BasicOperation):
+    """``y = x @ weight.T``; weight ``[out_features, in_features]``; input ``[..., in]``."""
+
+    def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
+        if _is_dtensor(self.weight):
+            return TensorMeta((*input_meta.shape[:-1], self.out_features), input_meta.dtype, input_meta.device)
+        check_float_input(self.op_name(), input_meta, self.weight, self.in_features)
+        return TensorMeta((*input_meta.shape[:-1], self.out_features), input_meta.dtype, input_meta.device)
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
+        if ctx.requires_grad:
+            # the weight is read from the module in backward: only activations are saved
+            ctx.save_for_backward(input=input_ if self.weight.requires_grad or _is_dtensor(self.weight) else None)
+        return tp_linear_forward(input_, self.weight, None, mm_for_2d_compile=False)
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        x, weight = ctx.saved["input"], self.weight
+        if _is_dtensor(weight):
+            return _autograd_linear_backward(ctx, x, weight, grad_output)
+        grad_input = grad_weight = None
+        if ctx.input_requires_grad:
+            grad_input = grad_output @ weight
+        if self.weight.requires_grad:
+            dy = grad_output.reshape(-1, self.out_features)
+            grad_weight = dy.t() @ x.reshape(-1, self.in_features)
+        return grad_input, [grad_weight]
+
+
+def _autograd_linear_backward(ctx, x, weight, grad_output):
+    """DTensor weights: differentiate the same dispatch with autograd (placements handled by DTensor)."""
+    with torch.enable_grad():
+        x_leaf = x.detach().requires_grad_(ctx.input_requires_grad)
+        w_leaf = weight.detach().requires_grad_(ctx.params_require_grad)
+        y = tp_linear_forward(x_leaf, w_leaf, None, mm_for_2d_compile=False)
+        wanted = [t for t in (x_leaf, w_leaf) if t.requires_grad]
+        grads = iter(torch.autograd.grad(y, wanted, grad_output) if wanted else ())
+    grad_input = next(grads) if x_leaf.requires_grad else None
+    grad_weight = next(grads) if w_leaf.requires_grad else None
+    return grad_input, [grad_weight]
+
+
+class Bias(BasicOperation):
+    """``y = x + bias``; bias ``[features]`` added over the last dim."""
+
+    def __init__(self, features: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.features = features
+        self.bias = torch.nn.Parameter(torch.empty(features, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"features={self.features}"
+
+    def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
+        if not input_meta.shape or input_meta.shape[-1] != self.features:
+            raise ValueError(f"Bias: input has shape {list(input_meta.shape)}; expected [..., {self.features}]")
+        return input_meta
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
+        return input_ + self.bias
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        grad_bias = None
+        if self.bias.requires_grad:
+            grad_bias = grad_output.reshape(-1, self.features).sum(0)
+        return grad_output, [grad_bias]

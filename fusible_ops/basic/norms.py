@@ -1,0 +1,80 @@
+"""Normalisation ops over the last dim: RMSNorm and LayerNorm.
+
+Backward recomputes the (cheap) normalisation from the saved input and differentiates
+it with autograd, so only the input is kept for backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..op import BasicOperation, OperationContext, TensorMeta
+
+
+class _Norm(BasicOperation):
+    def __init__(self, normalized_shape: int, eps: float, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.normalized_shape = int(normalized_shape)
+        self.eps = float(eps)
+        self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+    def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
+        if not input_meta.shape or input_meta.shape[-1] != self.normalized_shape:
+            raise ValueError(
+                f"{self.op_name()}: input has shape {list(input_meta.shape)}; expected [..., {self.normalized_shape}]"
+            )
+        return input_meta
+
+    def _norm(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
+        if ctx.requires_grad:
+            ctx.save_for_backward(input=input_)
+        return self._norm(input_, list(self.parameters()))
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        params = list(self.parameters())
+        with torch.enable_grad():
+            x = ctx.saved["input"].detach().requires_grad_(ctx.input_requires_grad)
+            leaves = [p.detach().requires_grad_(p.requires_grad) for p in params]
+            y = self._norm(x, leaves)
+            wanted = [t for t in (x, *leaves) if t.requires_grad]
+            grads = iter(torch.autograd.grad(y, wanted, grad_output)) if wanted else iter(())
+        grad_input = next(grads) if x.requires_grad else None
+        grad_params = [next(grads) if leaf.requires_grad else None for leaf in leaves]
+        return grad_input, grad_params
+
+
+class RMSNorm(_Norm):
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dim (``normalized_shape``)."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, *, device=None, dtype=None) -> None:
+        super().__init__(normalized_shape, eps, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.ones_(self.weight)
+
+    def _norm(self, x, params):
+        return F.rms_norm(x, (self.normalized_shape,), params[0], self.eps)
+
+
+class LayerNorm(_Norm):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, device=None, dtype=None) -> None:
+        super().__init__(normalized_shape, eps, device=device, dtype=dtype)
+        self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.ones_(self.weight)
+        torch.nn.init.zeros_(self.bias)
+
+    def _norm(self, x, params):
+        return F.layer_norm(x, (self.normalized_shape,), params[0], params[1], self.eps)

@@ -1,0 +1,121 @@
+"""Probability-scaled activations: ``act(x) * scales[:, None]`` with one extra input.
+
+``scales`` holds one value per token row (``numel == prod(x.shape[:-1])``), e.g. the
+router's probabilities; it may be fp32 while ``x`` is bf16. The gradient w.r.t.
+``scales`` is returned so the router learns from it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.activation import ActivationSpec, scaled_activation_backward, scaled_activation_forward
+from ..op import BasicOperation, OperationContext, TensorMeta
+from .activations import check_activation_input
+
+
+def check_row_scales(op_name: str, scales: object, meta: TensorMeta) -> None:
+    """``scales`` must be a floating tensor with one value per token row, on the input's device."""
+    rows = math.prod(meta.shape[:-1])
+    if not isinstance(scales, torch.Tensor):
+        raise ValueError(f"{op_name}: scales must be a torch.Tensor, got {type(scales).__name__}")
+    if not scales.dtype.is_floating_point:
+        raise ValueError(f"{op_name}: scales must be floating point, got {scales.dtype}")
+    if scales.numel() != rows:
+        raise ValueError(
+            f"{op_name}: scales has {scales.numel()} values (shape {list(scales.shape)}); "
+            f"expected one per token row ({rows})"
+        )
+    if scales.device != meta.device:
+        raise ValueError(f"{op_name}: scales are on {scales.device} but the input is on {meta.device}")
+
+
+class ScaledActivation(BasicOperation):
+    """Base of the scaled activations; subclasses fix ``kind``."""
+
+    kind: str = ""
+    num_extra_inputs = 1
+
+    def __init__(self, *, glu_interleave_size: int | None = None, **spec_options: float) -> None:
+        super().__init__()
+        self.spec = ActivationSpec(self.kind, glu_interleave_size=glu_interleave_size, **spec_options)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        parts = []
+        if s.kind == "clamped_swiglu":
+            parts.append(f"limit={s.limit}, alpha={s.alpha}, glu_linear_offset={s.glu_linear_offset}")
+        if s.glu_interleave_size is not None:
+            parts.append(f"glu_interleave_size={s.glu_interleave_size}")
+        return ", ".join(parts)
+
+    def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
+        out = check_activation_input(self.op_name(), self.spec, input_meta)
+        check_row_scales(self.op_name(), extra_inputs[0], input_meta)
+        return out
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        x = input_.reshape(-1, input_.shape[-1])
+        flat_scales = scales.reshape(-1)
+        out = scaled_activation_forward(self.spec, x, flat_scales)
+        if ctx.requires_grad:
+            ctx.save_for_backward(input=x, scales=flat_scales)
+            ctx.input_shape = input_.shape
+            ctx.scales_shape = scales.shape
+            ctx.scales_requires_grad = scales.requires_grad
+        return out.view(*input_.shape[:-1], out.shape[-1])
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        dy = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_input, grad_scales = scaled_activation_backward(
+            self.spec, ctx.saved["input"], ctx.saved["scales"], dy
+        )
+        grad_scales = grad_scales.view(ctx.scales_shape) if ctx.scales_requires_grad else None
+        return grad_input.view(ctx.input_shape), [], (grad_scales,)
+
+
+class ScaledSwiGLU(ScaledActivation):
+    """``silu(gate) * linear * scales``."""
+
+    kind = "swiglu"
+
+    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+
+
+class ScaledGEGLU(ScaledActivation):
+    """``gelu_tanh(gate) * linear * scales``."""
+
+    kind = "geglu"
+
+    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+
+
+class ScaledClampedSwiGLU(ScaledActivation):
+    """:class:`~fusible_ops.ClampedSwiGLU` times ``scales``."""
+
+    kind = "clamped_swiglu"
+
+    def __init__(
+        self,
+        limit: float = 7.0,
+        alpha: float = 1.702,
+        glu_linear_offset: float = 1.0,
+        glu_interleave_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            glu_interleave_size=glu_interleave_size, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset
+        )
+
+
+class ScaledSReLU(ScaledActivation):
+    """``relu(x) ** 2 * scales``."""
+
+    kind = "srelu"
+
+    def __init__(self) -> None:
+        super().__init__()
+

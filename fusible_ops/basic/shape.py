@@ -1,0 +1,47 @@
+"""Ops that only pass data through or change its shape."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..op import BasicOperation, OperationContext, TensorMeta
+
+
+class Identity(BasicOperation):
+    """``y = x``."""
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
+        return input_
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        return grad_output, []
+
+
+class Reshape(BasicOperation):
+    """``y = x.reshape(shape)``; ``shape`` may hold one ``-1``."""
+
+    def __init__(self, shape: tuple[int, ...] | list[int]) -> None:
+        super().__init__()
+        self.shape = tuple(int(s) for s in shape)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}"
+
+    def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
+        numel = math.prod(input_meta.shape)
+        known = math.prod(s for s in self.shape if s != -1)
+        shape = self.shape
+        if -1 in shape and known:
+            shape = tuple(numel // known if s == -1 else s for s in shape)
+        if math.prod(shape) != numel or (-1 in self.shape and known and numel % known):
+            raise ValueError(f"Reshape: cannot reshape input of shape {list(input_meta.shape)} to {list(self.shape)}")
+        return TensorMeta(shape, input_meta.dtype, input_meta.device)
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
+        ctx.input_shape = input_.shape
+        return input_.reshape(self.shape)
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        return grad_output.reshape(ctx.input_shape), []

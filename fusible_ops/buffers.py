@@ -1,0 +1,107 @@
+"""Caller-provided buffers: the keys ops accept and the single validation routine.
+
+A buffer is checked before any computation. Its leading (token) dim may be longer
+than the rows produced; the padded tail is never written. On success the op writes
+into the buffer and returns a view of its first rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+OUTPUT_BUFFER_KEY = "output"
+GRAD_INPUT_BUFFER_KEY = "grad_input"
+
+
+def _memory_span(t: torch.Tensor) -> tuple[int, int] | None:
+    if t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return start, start + extent * t.element_size()
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` intersect (conservative for strided views)."""
+    if a.device != b.device:
+        return False
+    span_a, span_b = _memory_span(a), _memory_span(b)
+    if span_a is None or span_b is None:
+        return False
+    return span_a[0] < span_b[1] and span_b[0] < span_a[1]
+
+
+def validate_or_alloc_output(
+    buffer: torch.Tensor | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    op_name: str = "op",
+    key: str = OUTPUT_BUFFER_KEY,
+    no_overlap: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
+    """Return a tensor of ``shape`` to write into: a fresh one, or a view of ``buffer``.
+
+    ``shape[0]`` is the number of rows produced; ``buffer`` may have more rows.
+    Raises ``ValueError`` naming ``op_name`` and ``key`` when the buffer is unusable.
+    """
+    shape = tuple(int(s) for s in shape)
+    device = torch.device(device)
+    if buffer is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    where = f"{op_name}: buffer {key!r}"
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError(f"{where} must be a torch.Tensor, got {type(buffer).__name__}")
+    if buffer.dim() != len(shape) or tuple(buffer.shape[1:]) != shape[1:]:
+        raise ValueError(
+            f"{where} has shape {tuple(buffer.shape)}; expected [>= {shape[0]}, "
+            f"{', '.join(str(s) for s in shape[1:])}] (trailing dims must match exactly)"
+        )
+    if buffer.shape[0] < shape[0]:
+        raise ValueError(f"{where} has {buffer.shape[0]} rows; at least {shape[0]} are needed")
+    if buffer.dtype != dtype:
+        raise ValueError(f"{where} has dtype {buffer.dtype}; expected {dtype} (the op's compute dtype)")
+    if buffer.device != device:
+        raise ValueError(f"{where} is on {buffer.device}; expected {device}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"{where} must be contiguous (got strides {buffer.stride()})")
+    if buffer.requires_grad:
+        raise ValueError(f"{where} must not require grad; pass buf.detach()")
+    for other in no_overlap:
+        if isinstance(other, torch.Tensor) and tensors_overlap(buffer, other):
+            raise ValueError(
+                f"{where} overlaps the memory of one of the op's inputs or parameters "
+                f"(shape {tuple(other.shape)}); use a separate buffer"
+            )
+    return buffer[: shape[0]] if buffer.shape[0] != shape[0] else buffer
+
+
+def validate_or_alloc_rows(
+    buffer: torch.Tensor | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    op_name: str = "op",
+    key: str = OUTPUT_BUFFER_KEY,
+    no_overlap: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
+    """:func:`validate_or_alloc_output` for a result of ``shape`` ``[*token_dims, features]``.
+
+    Besides a buffer shaped like the result, a 2-D buffer ``[>= rows, features]`` is
+    accepted for an N-D result (the token dims flattened); the return has ``shape``.
+    """
+    shape = tuple(int(s) for s in shape)
+    if buffer is not None and isinstance(buffer, torch.Tensor) and buffer.dim() == 2 and len(shape) != 2:
+        rows = 1
+        for s in shape[:-1]:
+            rows *= s
+        flat = validate_or_alloc_output(
+            buffer, (rows, shape[-1]), dtype, device, op_name=op_name, key=key, no_overlap=no_overlap
+        )
+        return flat.view(shape)
+    return validate_or_alloc_output(buffer, shape, dtype, device, op_name=op_name, key=key, no_overlap=no_overlap)

@@ -1,0 +1,213 @@
+"""GroupedMLP: the MoE expert block as one joint fused op, and the rules that build it.
+
+Patterns (joint fusion, forward and backward):
+
+- ``GroupedLinear -> Scaled{SwiGLU,GEGLU,ClampedSwiGLU,SReLU} -> GroupedLinear``
+- ``GroupedLinear -> {SwiGLU,GEGLU,ClampedSwiGLU,SReLU} -> GroupedLinear -> Scale``
+  (routing weight applied after the down projection and its bias)
+
+Saved for backward: the input, fc1's output (pre-activation), the scales and the
+group offsets; the activation is recomputed in backward. fc2's ``output`` buffer and
+fc1's ``grad_input`` buffer are written in place by the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..basic.activations import Activation
+from ..basic.grouped_linear import GroupedLinear
+from ..basic.scale import Scale
+from ..basic.scaled_activations import ScaledActivation
+from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_rows
+from ..fusion_rules import FusionContext, register_fusion, window_rule
+from ..kernels import GroupedGemmBackend, select_backend
+from ..kernels.activation import ActivationSpec, row_dot
+from ..op import BasicOperation, FusedOperation, OperationContext
+from ..splits import to_split_info
+
+SUPPORTED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "srelu")
+
+
+class GroupedMLP(FusedOperation):
+    """fc1 -> (scaled) activation -> fc2 (-> Scale), computed by one kernel backend.
+
+    ``scale_after_fc2`` selects the second pattern. The chosen backend (``backend``)
+    is fixed when the plan is made.
+    """
+
+    def __init__(
+        self,
+        basic_ops: list[BasicOperation],
+        backend: GroupedGemmBackend,
+        *,
+        scale_after_fc2: bool,
+    ) -> None:
+        super().__init__(basic_ops, backend=backend.name)
+        self.kernels = backend
+        self.fc1: GroupedLinear = basic_ops[0]
+        self.activation_op = basic_ops[1]
+        self.fc2: GroupedLinear = basic_ops[2]
+        self.spec: ActivationSpec = basic_ops[1].spec
+        self.scale_after_fc2 = scale_after_fc2
+
+    def _scales_position(self) -> int:
+        return 3 if self.scale_after_fc2 else 1
+
+    # ------------------------------------------------------------ forward
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+        fc1, fc2, kernels = self.fc1, self.fc2, self.kernels
+        ctx1: OperationContext = basic_op_ctxs[0]
+        x = input_.reshape(-1, fc1.in_features)
+        splits = to_split_info(basic_op_extra_inputs[0][0], x.shape[0], x.device)
+        scales_in = basic_op_extra_inputs[self._scales_position()][0]
+        scales = scales_in.reshape(-1)
+        out_shape = (*input_.shape[:-1], fc2.out_features)
+        out = None
+        if basic_op_kwargs[2].get(OUTPUT_BUFFER_KEY) is not None:
+            out = validate_or_alloc_rows(
+                basic_op_kwargs[2][OUTPUT_BUFFER_KEY], out_shape, x.dtype, x.device, op_name=fc2.op_name()
+            )
+        out2d = None if out is None else out.view(-1, fc2.out_features)
+
+        pre, act = kernels.fc1_fprop_act(
+            x, fc1.weight, fc1.bias, splits.host, splits.offsets, self.spec,
+            None if self.scale_after_fc2 else scales,
+        )
+        y = kernels.fprop(act, fc2.weight, splits.host, splits.offsets, bias=fc2.bias, out=out2d)
+        unscaled_y = None
+        if self.scale_after_fc2:
+            if scales_in.requires_grad and any(c.requires_grad for c in basic_op_ctxs):
+                unscaled_y = y.clone()
+            y.mul_(scales.to(y.dtype).unsqueeze(-1))
+        del act  # recomputed in backward
+
+        if any(c.requires_grad for c in basic_op_ctxs):
+            ctx1.save_for_backward(
+                x=x if fc1.weight.requires_grad else None,
+                pre=pre,
+                scales=scales,
+                offsets=splits.offsets,
+                unscaled_y=unscaled_y,
+            )
+            ctx1.host_splits = splits.host
+            ctx1.input_shape = input_.shape
+            ctx1.scales_shape = scales_in.shape
+            ctx1.scales_requires_grad = scales_in.requires_grad
+            # a destination, not saved state (see GroupedLinear.op_forward)
+            ctx1.grad_input_buffer = basic_op_kwargs[0].get(GRAD_INPUT_BUFFER_KEY)
+        extra_outputs = [()] * len(basic_op_ctxs)
+        return (out if out is not None else y.view(out_shape)), extra_outputs
+
+    # ------------------------------------------------------------ backward
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        fc1, fc2, kernels = self.fc1, self.fc2, self.kernels
+        ctx1: OperationContext = basic_op_ctxs[0]
+        saved = ctx1.saved
+        pre, scales, offsets, host = saved["pre"], saved["scales"], saved["offsets"], ctx1.host_splits
+        dy = grad_output.reshape(-1, fc2.out_features)
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+
+        grad_scales = None
+        if self.scale_after_fc2:
+            if ctx1.scales_requires_grad:
+                grad_scales = row_dot(saved["unscaled_y"], dy, scales.dtype)
+            dy = dy * scales.to(dy.dtype).unsqueeze(-1)
+            grad_pre, _, act = kernels.fc2_dgrad_act(dy, fc2.weight, pre, host, offsets, self.spec, None)
+        else:
+            grad_pre, grad_scales, act = kernels.fc2_dgrad_act(
+                dy, fc2.weight, pre, host, offsets, self.spec, scales
+            )
+            if not ctx1.scales_requires_grad:
+                grad_scales = None
+
+        grad_w2 = kernels.wgrad(dy, act, host, offsets) if fc2.weight.requires_grad else None
+        grad_b2 = None
+        if fc2.bias is not None and fc2.bias.requires_grad:
+            grad_b2 = kernels.bias_grad(dy, host, offsets, fc2.num_groups)
+        del act
+
+        grad_input = None
+        if ctx1.input_requires_grad:
+            out = None
+            if ctx1.grad_input_buffer is not None:
+                out = validate_or_alloc_rows(
+                    ctx1.grad_input_buffer, ctx1.input_shape, grad_pre.dtype, grad_pre.device,
+                    op_name=fc1.op_name(), key=GRAD_INPUT_BUFFER_KEY,
+                ).view(-1, fc1.in_features)
+            grad_input = kernels.dgrad(grad_pre, fc1.weight, host, offsets, out=out).view(ctx1.input_shape)
+        grad_w1 = kernels.wgrad(grad_pre, saved["x"], host, offsets) if fc1.weight.requires_grad else None
+        grad_b1 = None
+        if fc1.bias is not None and fc1.bias.requires_grad:
+            grad_b1 = kernels.bias_grad(grad_pre, host, offsets, fc1.num_groups)
+
+        if grad_scales is not None:
+            grad_scales = grad_scales.view(ctx1.scales_shape)
+        grad_params = [_param_grads(fc1, grad_w1, grad_b1), [], _param_grads(fc2, grad_w2, grad_b2)]
+        grad_extra: list[tuple[Any, ...]] = [(None,), (), (None,)]
+        if self.scale_after_fc2:
+            grad_params.append([])
+            grad_extra.append((grad_scales,))
+        else:
+            grad_extra[1] = (grad_scales,)
+        return grad_input, grad_params, grad_extra
+
+
+def _param_grads(op: GroupedLinear, grad_weight, grad_bias) -> list:
+    return [grad_weight] if op.bias is None else [grad_weight, grad_bias]
+
+
+# ---------------------------------------------------------------- rules
+
+
+def _check_mlp(context: FusionContext, ops: list[BasicOperation], first: int) -> str | None:
+    """The reason the window cannot be fused, or None."""
+    fc1, activation, fc2 = ops[0], ops[1], ops[2]
+    spec: ActivationSpec = activation.spec
+    if spec.kind not in SUPPORTED_ACTIVATIONS:
+        return f"activation {activation.op_name()} is not one of GroupedMLP's {SUPPORTED_ACTIVATIONS}"
+    if fc1.num_groups != fc2.num_groups:
+        return f"fc1.num_groups ({fc1.num_groups}) != fc2.num_groups ({fc2.num_groups})"
+    if spec.gated and fc1.out_features != 2 * fc2.in_features:
+        return f"fc1.out_features ({fc1.out_features}) != 2*fc2.in_features ({2 * fc2.in_features})"
+    if not spec.gated and fc1.out_features != fc2.in_features:
+        return f"fc1.out_features ({fc1.out_features}) != fc2.in_features ({fc2.in_features})"
+    if fc1.weight.dtype != fc2.weight.dtype or fc1.weight.device != fc2.weight.device:
+        return "fc1 and fc2 weights differ in dtype or device"
+    if context.has_kwarg(first, OUTPUT_BUFFER_KEY):
+        return "output buffer requested on fc1 (the fused op does not materialise fc1's output for the caller)"
+    if context.has_kwarg(first + 2, GRAD_INPUT_BUFFER_KEY):
+        return "grad_input buffer requested on fc2 (the fused op does not materialise fc2's input gradient)"
+    if not context.same_extra_input((first, 0), (first + 2, 0)):
+        kinds = {context.extra_input_kinds[first][0], context.extra_input_kinds[first + 2][0]}
+        if kinds & {"list", "cpu tensor"} == kinds:
+            return "fc1 and fc2 receive different split sizes"
+        return (
+            "fc1 and fc2 receive different split-size objects on the device; comparing them would need a "
+            "host sync (pass the same tensor to both)"
+        )
+    return None
+
+
+def _build(scale_after_fc2: bool):
+    def build(context: FusionContext, ops: list[BasicOperation], first: int):
+        reason = _check_mlp(context, ops, first)
+        if reason is not None:
+            return reason
+        choice = select_backend(context.device, context.dtype, purpose="mlp", forced=context.settings.backend)
+        return GroupedMLP(ops, choice.backend, scale_after_fc2=scale_after_fc2)
+
+    return build
+
+
+grouped_mlp_rule = window_rule(
+    "grouped_mlp", (GroupedLinear, ScaledActivation, GroupedLinear), _build(scale_after_fc2=False)
+)
+grouped_mlp_scale_after_rule = window_rule(
+    "grouped_mlp_scale_after_fc2", (GroupedLinear, Activation, GroupedLinear, Scale), _build(scale_after_fc2=True)
+)
+
+register_fusion(grouped_mlp_rule, kind="joint")
+register_fusion(grouped_mlp_scale_after_rule, kind="joint")
+

@@ -1,0 +1,132 @@
+"""Fusion rules: plain functions over the op list, registered at run time.
+
+A rule has the signature ``rule(entries, context) -> entries``: it receives the
+current forward or backward op list (``PlanEntry`` items) and returns a new one.
+:func:`window_rule` builds the common kind from a pattern of op types and a
+``build`` function, so rules never hand-write sliding-window loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .op import BasicOperation, FusedOperation
+from .plan import FusionDecision, PlanEntry
+from .settings import Settings
+
+RuleFn = Callable[[list[PlanEntry], "FusionContext"], list[PlanEntry]]
+FUSION_KINDS = ("forward", "backward", "joint")
+
+_RULES: dict[str, list[RuleFn]] = {kind: [] for kind in FUSION_KINDS}
+_registry_version = [0]
+
+
+def register_fusion(rule: RuleFn, *, kind: str, prepend: bool = False) -> RuleFn:
+    """Register ``rule`` of ``kind`` ("forward", "backward" or "joint").
+
+    ``prepend=True`` runs it before the rules already registered. Plans made
+    before registration are discarded (the fuser re-plans).
+    """
+    if kind not in FUSION_KINDS:
+        raise ValueError(f"register_fusion: kind must be one of {FUSION_KINDS}, got {kind!r}")
+    rules = _RULES[kind]
+    if rule in rules:
+        rules.remove(rule)
+    if prepend:
+        rules.insert(0, rule)
+    else:
+        rules.append(rule)
+    _registry_version[0] += 1
+    return rule
+
+
+def unregister_fusion(rule: RuleFn) -> None:
+    for rules in _RULES.values():
+        if rule in rules:
+            rules.remove(rule)
+    _registry_version[0] += 1
+
+
+def registered_rules(kind: str) -> list[RuleFn]:
+    return list(_RULES[kind])
+
+
+def registry_version() -> int:
+    return _registry_version[0]
+
+
+@dataclass
+class FusionContext:
+    """What a rule may look at when deciding to fuse, plus the decision log."""
+
+    ops: tuple[BasicOperation, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    settings: Settings
+    kwarg_keys: tuple[frozenset[str], ...]
+    #: per op, per extra input: an id shared by extra inputs known to be equal
+    extra_input_classes: tuple[tuple[int, ...], ...]
+    #: per op, per extra input: a short description ("list", "cpu tensor", "cuda tensor", ...)
+    extra_input_kinds: tuple[tuple[str, ...], ...]
+    kind: str = ""
+    decisions: list[FusionDecision] | None = None
+
+    def has_kwarg(self, op_index: int, key: str) -> bool:
+        return key in self.kwarg_keys[op_index]
+
+    def same_extra_input(self, a: tuple[int, int], b: tuple[int, int]) -> bool:
+        """Whether extra input ``a = (op_index, position)`` equals ``b`` (known cheaply)."""
+        return self.extra_input_classes[a[0]][a[1]] == self.extra_input_classes[b[0]][b[1]]
+
+    def record(self, rule: str, indices: Sequence[int], *, fired: bool, reason: str = "", backend=None) -> None:
+        assert self.decisions is not None
+        self.decisions.append(
+            FusionDecision(rule, self.kind, tuple(indices), fired, reason=reason, backend=backend)
+        )
+
+
+#: ``build(context, ops, first_index)`` returns the fused op, or a string: the reason to decline
+BuildFn = Callable[[FusionContext, list[BasicOperation], int], "FusedOperation | str"]
+
+
+def window_rule(name: str, pattern: Sequence[type | tuple[type, ...]], build: BuildFn) -> RuleFn:
+    """A rule that offers every window of unfused basic ops matching ``pattern`` to ``build``.
+
+    Windows are scanned left to right; a fired window is consumed. Every window that
+    matched the pattern but was declined is logged with the reason ``build`` gave.
+    """
+    pattern = tuple(pattern)
+
+    def matches(window: list[PlanEntry]) -> bool:
+        return len(window) == len(pattern) and all(
+            isinstance(entry.op, BasicOperation) and isinstance(entry.op, types)
+            for entry, types in zip(window, pattern)
+        )
+
+    def rule(entries: list[PlanEntry], context: FusionContext) -> list[PlanEntry]:
+        result: list[PlanEntry] = []
+        position = 0
+        while position < len(entries):
+            window = entries[position : position + len(pattern)]
+            if matches(window):
+                ops = [entry.op for entry in window]
+                indices = tuple(i for entry in window for i in entry.indices)
+                built: Any = build(context, ops, indices[0])
+                if isinstance(built, FusedOperation):
+                    context.record(name, indices, fired=True, backend=built.backend)
+                    result.append(PlanEntry(built, indices))
+                    position += len(pattern)
+                    continue
+                context.record(name, indices, fired=False, reason=str(built))
+            result.append(entries[position])
+            position += 1
+        return result
+
+    rule.__name__ = name
+    rule.__qualname__ = name
+    return rule

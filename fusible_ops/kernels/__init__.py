@@ -1,0 +1,160 @@
+"""Kernel backends: how grouped GEMMs and activations are computed on a device.
+
+Each backend lives in its own file and is imported only when first asked for, so
+optional packages (triton, cudnn frontend) are never imported with the package.
+Selection is automatic per device and dtype, or forced with
+``fusible_ops.settings(backend=NAME)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from .base import GroupedGemmBackend
+
+# name -> (module, class); order within a device's preference list is separate
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "cpu": ("fusible_ops.kernels.torch_cpu", "TorchCpuBackend"),
+    "grouped_mm": ("fusible_ops.kernels.torch_grouped_mm", "TorchGroupedMMBackend"),
+    "triton": ("fusible_ops.kernels.triton_backend", "TritonBackend"),
+    "cudnn": ("fusible_ops.kernels.cudnn_fe", "CudnnFrontendBackend"),
+    "torch_loop": ("fusible_ops.kernels.torch_loop", "TorchLoopBackend"),
+}
+
+# automatic choice, best first; "mlp" is the fused grouped MLP, "gemm" a lone GroupedLinear
+_PREFERENCE: dict[tuple[str, str], tuple[str, ...]] = {
+    ("cpu", "mlp"): ("cpu", "torch_loop"),
+    ("cpu", "gemm"): ("cpu", "torch_loop"),
+    ("cuda", "mlp"): ("cudnn", "triton", "grouped_mm", "torch_loop"),
+    ("cuda", "gemm"): ("grouped_mm", "triton", "torch_loop"),
+}
+_DEFAULT_PREFERENCE = ("torch_loop",)
+
+_instances: dict[str, GroupedGemmBackend] = {}
+
+
+def backend_names() -> list[str]:
+    """Every registered backend name (available here or not)."""
+    return list(_BACKENDS)
+
+
+def register_backend(name: str, module: str, class_name: str, *, prefer_on: tuple[str, ...] = ()) -> None:
+    """Register a backend class by import path; ``prefer_on`` device types try it first."""
+    _BACKENDS[name] = (module, class_name)
+    clear_backend_cache()
+    for device_type in prefer_on:
+        for purpose in ("mlp", "gemm"):
+            current = _PREFERENCE.get((device_type, purpose), _DEFAULT_PREFERENCE)
+            _PREFERENCE[(device_type, purpose)] = (name, *[n for n in current if n != name])
+
+
+def get_backend(name: str) -> GroupedGemmBackend:
+    """The backend instance called ``name`` (its module is imported on first use)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {backend_names()}")
+    backend = _instances.get(name)
+    if backend is None:
+        module_name, class_name = _BACKENDS[name]
+        module = importlib.import_module(module_name)
+        backend = getattr(module, class_name)()
+        _instances[name] = backend
+    return backend
+
+
+def probe_backend(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """``None`` when ``name`` can run on ``device``/``dtype``, else the reason."""
+    try:
+        backend = get_backend(name)
+    except ImportError as error:  # a backend module whose own imports failed
+        return f"cannot import backend module: {error}"
+    return backend.probe(torch.device(device), dtype)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The selected backend and why the ones preferred over it were skipped."""
+
+    backend: GroupedGemmBackend
+    skipped: tuple[tuple[str, str], ...]
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def explain(self) -> str:
+        if not self.skipped:
+            return f"backend {self.name}"
+        skipped = "; ".join(f"{name}: {reason}" for name, reason in self.skipped)
+        return f"backend {self.name} (skipped {skipped})"
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced backend cannot run for these tensors."""
+
+
+_choices: dict[tuple, BackendChoice] = {}
+
+
+def clear_backend_cache() -> None:
+    """Forget cached probe results (e.g. after installing a package in-process)."""
+    _choices.clear()
+    _instances.clear()
+
+
+def select_backend(
+    device: torch.device, dtype: torch.dtype, *, purpose: str = "gemm", forced: str = "auto"
+) -> BackendChoice:
+    """Choose the backend for ``device``/``dtype``; ``forced`` names one or is "auto".
+
+    Results are cached per arguments; a forced backend that cannot run raises
+    :class:`BackendUnavailableError` with the reason.
+    """
+    key = (device, dtype, purpose, forced)
+    choice = _choices.get(key)
+    if choice is None:
+        choice = _select_uncached(torch.device(device), dtype, purpose, forced)
+        _choices[key] = choice
+    return choice
+
+
+def _select_uncached(device: torch.device, dtype: torch.dtype, purpose: str, forced: str) -> BackendChoice:
+    if forced != "auto":
+        reason = probe_backend(forced, device, dtype)
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"backend {forced!r} was forced with fusible_ops.settings(backend=...) but cannot run "
+                f"on {device.type} {dtype}: {reason}"
+            )
+        return BackendChoice(get_backend(forced), ())
+    skipped = []
+    for name in _PREFERENCE.get((device.type, purpose), _DEFAULT_PREFERENCE):
+        reason = probe_backend(name, device, dtype)
+        if reason is None:
+            return BackendChoice(get_backend(name), tuple(skipped))
+        skipped.append((name, reason))
+    raise BackendUnavailableError(
+        f"no grouped-GEMM backend can run on {device.type} {dtype}: "
+        + "; ".join(f"{n}: {r}" for n, r in skipped)
+    )
+
+
+def backend_report(device: torch.device | str, dtype: torch.dtype) -> list[tuple[str, str | None]]:
+    """``[(name, reason or None)]`` for every backend, for ``info``."""
+    return [(name, probe_backend(name, torch.device(device), dtype)) for name in _BACKENDS]
+
+
+__all__ = [
+    "BackendChoice",
+    "BackendUnavailableError",
+    "GroupedGemmBackend",
+    "backend_names",
+    "backend_report",
+    "clear_backend_cache",
+    "get_backend",
+    "probe_backend",
+    "register_backend",
+    "select_backend",
+]

@@ -1,0 +1,169 @@
+"""Operation classes: the per-call context, basic ops (own parameters) and fused ops.
+
+A *basic op* says what one small step computes and what it saves for backward.
+A *fused op* replaces a run of basic ops in forward, backward or both, and computes
+the same thing with their parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and device of a tensor that has not been computed yet."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+class OperationContext:
+    """Per-call state of one basic op.
+
+    Attributes set by the fuser before forward:
+      ``requires_grad``: backward will run through this op;
+      ``input_requires_grad``: the gradient w.r.t. this op's main input is needed;
+      ``params_require_grad``: at least one of this op's parameters needs a gradient.
+    Tensors for backward go through :meth:`save_for_backward`, which the fuser hands
+    to the autograd context, so saved-tensor hooks see every one of them. After
+    forward they are available as ``saved_tensors`` (positional) and ``saved``
+    (named).
+    """
+
+    def __init__(self) -> None:
+        self.requires_grad = False
+        self.input_requires_grad = False
+        self.params_require_grad = False
+        self.to_save: tuple[torch.Tensor | None, ...] = ()
+        self.to_save_named: dict[str, torch.Tensor | None] = {}
+        self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
+        self.saved: dict[str, torch.Tensor | None] = {}
+
+    def save_for_backward(self, *tensors: torch.Tensor | None, **named: torch.Tensor | None) -> None:
+        """Record tensors for backward (replaces anything saved earlier in this call)."""
+        self.to_save = tensors
+        self.to_save_named = named
+
+
+class FusibleOperation:
+    """Anything the fuser can run: a basic op or a fused op."""
+
+    is_fused_op: bool = False
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        input_: torch.Tensor,
+        *,
+        basic_op_extra_inputs: list[tuple[Any, ...]],
+        basic_op_kwargs: list[dict[str, Any]],
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """Forward; returns the output and each basic op's extra outputs."""
+        raise NotImplementedError(f"{type(self).__name__} has no forward implementation")
+
+    def fuser_backward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        grad_output: torch.Tensor,
+        *,
+        basic_op_grad_extra_outputs: list[tuple[torch.Tensor | None, ...]],
+    ) -> tuple[torch.Tensor | None, list[list[torch.Tensor | None]], list[tuple[torch.Tensor | None, ...]]]:
+        """Backward; returns grad input, each basic op's param grads and extra-input grads."""
+        raise NotImplementedError(f"{type(self).__name__} has no backward implementation")
+
+
+class BasicOperation(FusibleOperation, torch.nn.Module):
+    """One small step of a network; owns its parameters.
+
+    Simple ops implement :meth:`op_forward` and :meth:`op_backward`. Ops with extra
+    inputs receive them positionally in ``op_forward`` and may return a third item
+    from ``op_backward`` (their gradients). Ops with extra outputs override the
+    fuser-level methods. :meth:`preflight` validates a call before any work runs.
+    """
+
+    num_extra_inputs: int = 0
+    num_extra_outputs: int = 0
+    #: kwargs this op accepts through ``op_kwargs``; anything else is a TypeError
+    accepted_kwargs: frozenset[str] = frozenset()
+
+    # ------------------------------------------------------------ per-op math
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, *extra_inputs: Any, **kwargs: Any):
+        raise NotImplementedError(f"{type(self).__name__}.op_forward")
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        raise NotImplementedError(f"{type(self).__name__}.op_backward")
+
+    def preflight(
+        self,
+        input_meta: TensorMeta,
+        extra_inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        guard: Sequence[torch.Tensor],
+    ) -> TensorMeta:
+        """Validate a call without computing; return the output's meta.
+
+        ``guard`` lists the caller's tensors and all parameters of the group, which a
+        caller buffer must not overlap. Raise ``ValueError`` naming the op on bad input.
+        """
+        return input_meta
+
+    def op_name(self) -> str:
+        return type(self).__name__
+
+    def check_kwargs(self, kwargs: dict[str, Any]) -> None:
+        unknown = sorted(set(kwargs) - self.accepted_kwargs)
+        if unknown:
+            accepted = sorted(self.accepted_kwargs) or "none"
+            raise TypeError(f"{self.op_name()} got unexpected kwarg(s) {unknown}; it accepts {accepted}")
+
+    # ------------------------------------------------------------ fuser interface
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+        output = self.op_forward(basic_op_ctxs[0], input_, *basic_op_extra_inputs[0], **basic_op_kwargs[0])
+        return output, [()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        result = self.op_backward(basic_op_ctxs[0], grad_output)
+        grad_input, grad_params = result[0], result[1]
+        grad_extra_inputs = tuple(result[2]) if len(result) > 2 else (None,) * self.num_extra_inputs
+        return grad_input, [list(grad_params)], [grad_extra_inputs]
+
+    # ------------------------------------------------------------ direct call
+    def forward(self, input_: torch.Tensor, *extra_inputs: Any, **kwargs: Any):
+        """Run this op alone: ``op(x, *extra_inputs, **kwargs)``."""
+        fuser = self.__dict__.get("_single_op_fuser")
+        if fuser is None:
+            from .fuser import OperationFuser
+
+            fuser = OperationFuser([self])
+            self.__dict__["_single_op_fuser"] = fuser
+        outputs = fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs])
+        return outputs
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_single_op_fuser", None)
+        return state
+
+
+class FusedOperation(FusibleOperation):
+    """Stateless replacement for a run of basic ops; uses their parameters.
+
+    ``backend`` names the kernel backend chosen when the plan was made (or None).
+    """
+
+    is_fused_op = True
+
+    def __init__(self, basic_ops: Sequence[BasicOperation], *, backend: str | None = None) -> None:
+        self.basic_ops = tuple(basic_ops)
+        self.backend = backend
+
+    def describe(self) -> str:
+        suffix = f" [backend={self.backend}]" if self.backend else ""
+        return f"{type(self).__name__}({', '.join(op.op_name() for op in self.basic_ops)}){suffix}"

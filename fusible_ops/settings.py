@@ -1,0 +1,66 @@
+"""Runtime settings: a context manager, never environment variables read at import.
+
+>>> import fusible_ops as fo
+>>> with fo.settings(fusion=False):
+...     pass  # everything in here runs unfused
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The active settings. Fusion plans are cached per settings value."""
+
+    #: apply fusion rules at all
+    fusion: bool = True
+    #: grouped-GEMM backend: "auto" or a name that ``python -m fusible_ops info`` lists
+    backend: str = "auto"
+    #: let the Triton backend autotune tile configurations (False: first config only)
+    triton_autotune: bool = True
+
+
+class _SettingsStack(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Settings] = [Settings()]
+
+
+_STATE = _SettingsStack()
+
+
+def current_settings() -> Settings:
+    """The settings in force on this thread."""
+    return _STATE.stack[-1]
+
+
+@contextlib.contextmanager
+def settings(**changes: object) -> Iterator[Settings]:
+    """Override settings inside a ``with`` block (thread-local, nestable).
+
+    Unknown names raise ``TypeError``; ``backend`` is checked against the registry.
+    """
+    known = {f.name for f in dataclasses.fields(Settings)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(f"fusible_ops.settings got unknown setting(s) {unknown}; known: {sorted(known)}")
+    if "backend" in changes:
+        from .kernels import backend_names
+
+        names = backend_names()
+        if changes["backend"] != "auto" and changes["backend"] not in names:
+            raise ValueError(
+                f"fusible_ops.settings: unknown backend {changes['backend']!r}; "
+                f"choose 'auto' or one of {names} (see `python -m fusible_ops info`)"
+            )
+    new = dataclasses.replace(current_settings(), **changes)
+    _STATE.stack.append(new)
+    try:
+        yield new
+    finally:
+        _STATE.stack.pop()

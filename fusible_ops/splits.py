@@ -1,0 +1,74 @@
+"""Split sizes: validation and conversion to host lists and device offsets.
+
+Split sizes arrive as a list of ints, a CPU integer tensor or a device integer tensor.
+Values on the host are checked eagerly; values on an accelerator are checked with
+``torch._assert_async`` so that no host sync happens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    """``host``: the sizes as a list (None when only on device); ``offsets``: int32 ``[G]`` cumsum."""
+
+    host: list[int] | None
+    offsets: torch.Tensor
+
+
+def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:
+    """Raise ``ValueError`` when ``split_sizes`` is unusable (host values checked eagerly)."""
+    if isinstance(split_sizes, torch.Tensor):
+        if split_sizes.dtype.is_floating_point or split_sizes.dtype.is_complex or split_sizes.dtype == torch.bool:
+            raise ValueError(f"{op_name}: split_sizes must be an integer tensor, got dtype {split_sizes.dtype}")
+        if split_sizes.dim() != 1 or split_sizes.numel() != num_groups:
+            raise ValueError(
+                f"{op_name}: split_sizes must be 1-D of length {num_groups} (one per group), "
+                f"got shape {tuple(split_sizes.shape)}"
+            )
+        if split_sizes.device.type != "cpu":
+            return  # values are checked on device, asynchronously, in to_split_info
+        values = split_sizes.tolist()
+    elif isinstance(split_sizes, (list, tuple)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in split_sizes):
+            raise ValueError(f"{op_name}: split_sizes must hold ints, got {list(split_sizes)!r}")
+        if len(split_sizes) != num_groups:
+            raise ValueError(
+                f"{op_name}: split_sizes has length {len(split_sizes)}; expected {num_groups} (one per group)"
+            )
+        values = list(split_sizes)
+    else:
+        raise ValueError(
+            f"{op_name}: split_sizes must be a 1-D integer tensor or a list of ints, got {type(split_sizes).__name__}"
+        )
+    if any(v < 0 for v in values):
+        raise ValueError(f"{op_name}: split_sizes must be non-negative, got {values}")
+    if sum(values) != num_rows:
+        raise ValueError(f"{op_name}: split_sizes sum to {sum(values)} but the input has {num_rows} rows")
+
+
+def to_split_info(split_sizes: Any, num_rows: int, device: torch.device) -> SplitInfo:
+    """Host list (when free to get) and device int32 offsets, without a host sync."""
+    if isinstance(split_sizes, torch.Tensor):
+        if split_sizes.device.type == "cpu":
+            host = [int(v) for v in split_sizes.tolist()]
+            offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(device, non_blocking=True)
+            return SplitInfo(host, offsets)
+        sizes = split_sizes.to(device)
+        ok = (sizes >= 0).all() & (sizes.sum() == num_rows)
+        torch._assert_async(ok, "split_sizes must be non-negative and sum to the number of input rows")
+        return SplitInfo(None, torch.cumsum(sizes, 0, dtype=torch.int32))
+    host = [int(v) for v in split_sizes]
+    cumulative, total = [], 0
+    for v in host:
+        total += v
+        cumulative.append(total)
+    offsets = torch.tensor(cumulative, dtype=torch.int32)
+    if device.type != "cpu":
+        offsets = offsets.to(device, non_blocking=True)
+    return SplitInfo(host, offsets)
