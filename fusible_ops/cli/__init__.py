@@ -1,0 +1,1 @@
+"""Implementations of the ``python -m fusible_ops`` commands."""

@@ -1,0 +1,357 @@
+"""``python -m fusible_ops bench``: the MoE expert block, fused vs its peers, in one process.
+
+Variants, timed interleaved (one iteration of each per round) so that machine drift
+hits all of them alike; medians are reported:
+
+- ``fused``: ``fo.Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)``, fusion on;
+- ``unfused``: the same Sequential under ``fo.settings(fusion=False)``;
+- ``grouped_mm``: a torchtitan-style composition (``torch._grouped_mm``,
+  ``silu(gate) * up * probs``, ``torch._grouped_mm``) differentiated by autograd;
+- ``loop``: a per-expert eager loop of ``F.linear``;
+- ``dense``: the bound, the same GEMMs as plain ``torch.mm`` on contiguous operands
+  (2 in forward, 6 in forward+backward), nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import fusible_ops as fo
+
+
+@dataclass(frozen=True)
+class Shape:
+    experts: int = 8
+    hidden: int = 1024
+    ffn: int = 1408
+    rows: int = 8192
+
+
+DEFAULT_SHAPE = Shape()
+SMALL_SHAPE = Shape(experts=4, hidden=64, ffn=64, rows=64)
+
+
+def uneven_splits(rows: int, experts: int, *, seed: int = 0) -> list[int]:
+    """Uneven split sizes summing to ``rows`` with expert 1 (when there are 2+) empty."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(experts, generator=gen) + 0.25
+    if experts > 1:
+        weights[1] = 0.0
+    sizes = (weights / weights.sum() * rows).floor().long()
+    sizes[0] += rows - int(sizes.sum())
+    return [int(s) for s in sizes]
+
+
+@dataclass
+class Problem:
+    """Weights and inputs shared by every variant."""
+
+    shape: Shape
+    dtype: torch.dtype
+    device: torch.device
+    split_sizes: list[int]
+    experts: fo.Sequential
+    x: torch.Tensor
+    probs: torch.Tensor
+    grad_y: torch.Tensor
+    splits_tensor: torch.Tensor = field(init=False)
+    offsets: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.splits_tensor = torch.tensor(self.split_sizes, device=self.device)
+        self.offsets = torch.cumsum(self.splits_tensor, 0, dtype=torch.int32)
+
+    @property
+    def w1(self) -> torch.Tensor:
+        return self.experts[0].weight
+
+    @property
+    def w2(self) -> torch.Tensor:
+        return self.experts[2].weight
+
+
+def make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, *, seed: int = 0) -> Problem:
+    torch.manual_seed(seed)
+    experts = fo.Sequential(
+        fo.GroupedLinear(shape.experts, shape.hidden, 2 * shape.ffn, device=device, dtype=dtype),
+        fo.ScaledSwiGLU(),
+        fo.GroupedLinear(shape.experts, shape.ffn, shape.hidden, device=device, dtype=dtype),
+    )
+    x = torch.randn(shape.rows, shape.hidden, device=device, dtype=dtype)
+    probs = torch.rand(shape.rows, device=device, dtype=torch.float32)
+    grad_y = torch.randn(shape.rows, shape.hidden, device=device, dtype=dtype)
+    return Problem(shape, dtype, device, uneven_splits(shape.rows, shape.experts), experts, x, probs, grad_y)
+
+
+# ---------------------------------------------------------------- variants
+# Each variant is ``fn(problem, backward: bool) -> None``; inputs that need grad are
+# made fresh leaves per call so that graphs do not accumulate.
+
+
+def _leaves(p: Problem, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return p.x.detach().requires_grad_(backward), p.probs.detach().requires_grad_(backward)
+
+
+def run_fused(p: Problem, backward: bool) -> None:
+    x, probs = _leaves(p, backward)
+    with torch.set_grad_enabled(backward):
+        y = p.experts(x, p.splits_tensor, probs, p.splits_tensor)
+    if backward:
+        y.backward(p.grad_y)
+
+
+def run_unfused(p: Problem, backward: bool) -> None:
+    with fo.settings(fusion=False):
+        run_fused(p, backward)
+
+
+def _swiglu_scaled(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up * probs.to(h.dtype).unsqueeze(-1)
+
+
+def run_grouped_mm(p: Problem, backward: bool) -> None:
+    x, probs = _leaves(p, backward)
+    with torch.set_grad_enabled(backward):
+        h = torch._grouped_mm(x, p.w1.transpose(-2, -1), offs=p.offsets)
+        y = torch._grouped_mm(_swiglu_scaled(h, probs), p.w2.transpose(-2, -1), offs=p.offsets)
+    if backward:
+        y.backward(p.grad_y)
+
+
+def run_loop(p: Problem, backward: bool) -> None:
+    x, probs = _leaves(p, backward)
+    with torch.set_grad_enabled(backward):
+        outs = []
+        for e, (xe, pe) in enumerate(zip(x.split(p.split_sizes), probs.split(p.split_sizes))):
+            outs.append(F.linear(_swiglu_scaled(F.linear(xe, p.w1[e]), pe), p.w2[e]))
+        y = torch.cat(outs)
+    if backward:
+        y.backward(p.grad_y)
+
+
+class DenseBound:
+    """The GEMMs alone, as plain ``torch.mm`` on contiguous, pre-laid-out operands."""
+
+    def __init__(self, p: Problem) -> None:
+        s, dt, dev = p.shape, p.dtype, p.device
+        m, h, f = s.rows, s.hidden, s.ffn
+        r = lambda *shape: torch.randn(*shape, dtype=dt, device=dev)  # noqa: E731
+        self.x, self.w1t, self.act, self.w2t = r(m, h), r(h, 2 * f), r(m, f), r(f, h)
+        self.dy, self.w2, self.dyt = r(m, h), r(h, f), r(h, m)
+        self.dpre, self.w1, self.dpret = r(m, 2 * f), r(2 * f, h), r(2 * f, m)
+        self.out_pre, self.out_y = r(m, 2 * f), r(m, h)
+        self.out_dact, self.out_dw2, self.out_dx, self.out_dw1 = r(m, f), r(h, f), r(m, h), r(2 * f, h)
+
+    def __call__(self, p: Problem, backward: bool) -> None:
+        torch.mm(self.x, self.w1t, out=self.out_pre)  # fc1 fprop
+        torch.mm(self.act, self.w2t, out=self.out_y)  # fc2 fprop
+        if backward:
+            torch.mm(self.dy, self.w2, out=self.out_dact)  # fc2 dgrad
+            torch.mm(self.dyt, self.act, out=self.out_dw2)  # fc2 wgrad
+            torch.mm(self.dpre, self.w1, out=self.out_dx)  # fc1 dgrad
+            torch.mm(self.dpret, self.x, out=self.out_dw1)  # fc1 wgrad
+
+
+def flops(shape: Shape, backward: bool) -> float:
+    forward = 2.0 * shape.rows * shape.hidden * (2 * shape.ffn) + 2.0 * shape.rows * shape.ffn * shape.hidden
+    return forward * (3 if backward else 1)
+
+
+def saved_bytes(fn: Callable[[Problem, bool], None], p: Problem) -> int:
+    """Bytes of distinct activation storage saved for backward (parameters excluded)."""
+    param_ptrs = {t.untyped_storage().data_ptr() for t in p.experts.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_ptrs:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x, probs = _leaves(p, True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if fn is run_fused or fn is run_unfused:
+            with fo.settings(fusion=fn is run_fused):
+                y = p.experts(x, p.splits_tensor, probs, p.splits_tensor)
+        elif fn is run_grouped_mm:
+            h = torch._grouped_mm(x, p.w1.transpose(-2, -1), offs=p.offsets)
+            y = torch._grouped_mm(_swiglu_scaled(h, probs), p.w2.transpose(-2, -1), offs=p.offsets)
+        else:
+            outs = []
+            for e, (xe, pe) in enumerate(zip(x.split(p.split_sizes), probs.split(p.split_sizes))):
+                outs.append(F.linear(_swiglu_scaled(F.linear(xe, p.w1[e]), pe), p.w2[e]))
+            y = torch.cat(outs)
+    del y
+    return sum(seen.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(
+    variants: dict[str, Callable[[Problem, bool], None]], p: Problem, backward: bool, repeats: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds per call of every variant, one call of each per round."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(warmup + repeats):
+        for name, fn in variants.items():
+            for param in p.experts.parameters():
+                param.grad = None
+            _sync(p.device)
+            start = time.perf_counter()
+            fn(p, backward)
+            _sync(p.device)
+            if round_index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+VARIANTS: dict[str, Callable[[Problem, bool], None]] = {
+    "fused": run_fused,
+    "unfused": run_unfused,
+    "grouped_mm": run_grouped_mm,
+    "loop": run_loop,
+}
+
+
+def run_bench(
+    shape: Shape,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    repeats: int = 10,
+    warmup: int = 2,
+    include: tuple[str, ...] = ("fused", "unfused", "grouped_mm", "loop", "dense"),
+) -> dict:
+    """Run the benchmark; returns a JSON-ready dict of the results."""
+    dev = torch.device(device)
+    p = make_problem(shape, dtype, dev)
+    variants = {name: fn for name, fn in VARIANTS.items() if name in include}
+    if "dense" in include:
+        variants["dense"] = DenseBound(p)
+    plan = p.experts.explain(p.x.detach().requires_grad_(), p.splits_tensor, p.probs, p.splits_tensor)
+    results: dict = {
+        "shape": asdict(shape),
+        "split_sizes": p.split_sizes,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(dev),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "plan": str(plan),
+        "modes": {},
+        "saved_bytes": {},
+    }
+    for name, fn in variants.items():
+        if name != "dense":
+            results["saved_bytes"][name] = saved_bytes(fn, p)
+    for mode, backward in (("forward", False), ("forward+backward", True)):
+        times = time_interleaved(variants, p, backward, repeats, warmup)
+        rows = {}
+        for name, samples in times.items():
+            median = statistics.median(samples)
+            rows[name] = {
+                "median_ms": median * 1e3,
+                "min_ms": min(samples) * 1e3,
+                "max_ms": max(samples) * 1e3,
+                "tflops": flops(shape, backward) / median / 1e12,
+            }
+        results["modes"][mode] = rows
+    return results
+
+
+def format_table(results: dict) -> str:
+    """The human-readable table: medians, TFLOP/s, ratios and saved bytes."""
+    lines = []
+    s = results["shape"]
+    lines.append(
+        f"MoE expert block: {s['experts']} experts, hidden {s['hidden']}, ffn {s['ffn']}, {s['rows']} rows "
+        f"(splits {results['split_sizes']}), {results['dtype']} on {results['device']}, "
+        f"torch {results['torch']}, {results['threads']} threads, {results['repeats']} rounds (medians)"
+    )
+    for mode, rows in results["modes"].items():
+        names = list(rows)
+        lines.append("")
+        lines.append(f"[{mode}]")
+        header = f"{'variant':<11}{'median ms':>11}{'TFLOP/s':>9}{'x dense':>9}"
+        peers = [n for n in names if n not in ("fused", "dense")]
+        header += "".join(f"{'fused/' + n:>17}" for n in peers if "fused" in rows)
+        lines.append(header)
+        dense = rows.get("dense", {}).get("median_ms")
+        for name in names:
+            r = rows[name]
+            line = f"{name:<11}{r['median_ms']:>11.3f}{r['tflops']:>9.3f}"
+            line += f"{r['median_ms'] / dense:>9.2f}" if dense else f"{'-':>9}"
+            if name == "fused":
+                line += "".join(f"{r['median_ms'] / rows[n]['median_ms']:>17.2f}" for n in peers)
+            lines.append(line)
+        if "fused" in rows:
+            speedups = ", ".join(
+                f"{rows[n]['median_ms'] / rows['fused']['median_ms']:.2f}x vs {n}" for n in peers
+            )
+            lines.append(f"fused speed-up: {speedups}")
+    if results["saved_bytes"]:
+        lines.append("")
+        lines.append("bytes saved for backward (activations, via saved-tensor hooks; parameters excluded):")
+        base = results["saved_bytes"].get("unfused")
+        for name, nbytes in results["saved_bytes"].items():
+            ratio = f"  ({nbytes / base:.2f}x unfused)" if base else ""
+            lines.append(f"  {name:<11}{nbytes / 2**20:>10.2f} MiB{ratio}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    """Bar chart of median ms per variant and mode (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(results["modes"])
+    names = list(results["modes"][modes[0]])
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.6))
+    for ax, mode in zip(axes, modes):
+        values = [results["modes"][mode][n]["median_ms"] for n in names]
+        bars = ax.bar(names, values, color=["#2a7" if n == "fused" else "#888" for n in names])
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        ax.set_title(f"{mode} (median ms, lower is better)")
+        ax.set_ylabel("ms")
+    s = results["shape"]
+    fig.suptitle(
+        f"MoE expert block, {s['experts']}x[{s['hidden']}->{2 * s['ffn']}->{s['hidden']}], "
+        f"{s['rows']} rows, {results['dtype']} on {results['device']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args) -> int:
+    shape = SMALL_SHAPE if args.small else DEFAULT_SHAPE
+    overrides = {k: getattr(args, k) for k in ("experts", "hidden", "ffn", "rows") if getattr(args, k) is not None}
+    shape = Shape(**{**asdict(shape), **overrides})
+    dtype = getattr(torch, args.dtype)
+    repeats = args.repeats if args.repeats is not None else (50 if args.small else 10)
+    results = run_bench(shape, dtype, args.device, repeats=repeats, warmup=3 if args.small else 2)
+    print(results["plan"])
+    print()
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        try:
+            plot(results, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("--plot needs matplotlib (pip install 'fusible-ops[plot]'); no plot written")
+    return 0
