@@ -13,7 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="MoE expert block on synthetic tokens: check, plan, train, timings")
     demo.add_argument("--steps", type=int, default=30, help="training steps of the small MoE regression")
 
-    bench = sub.add_parser("bench", help="fused expert block vs unfused, grouped_mm, loop and the dense bound")
+    bench = sub.add_parser(
+        "bench", help="fused expert block vs unfused, grouped_mm, loop and the dense bound"
+    )
     bench.add_argument("--small", action="store_true", help="4 experts, hidden 64, ffn 64, 64 rows")
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -104,4 +104,6 @@ def validate_or_alloc_rows(
             buffer, (rows, shape[-1]), dtype, device, op_name=op_name, key=key, no_overlap=no_overlap
         )
         return flat.view(shape)
-    return validate_or_alloc_output(buffer, shape, dtype, device, op_name=op_name, key=key, no_overlap=no_overlap)
+    return validate_or_alloc_output(
+        buffer, shape, dtype, device, op_name=op_name, key=key, no_overlap=no_overlap
+    )

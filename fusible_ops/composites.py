@@ -11,7 +11,9 @@ from .sequential import Sequential
 class Linear(Sequential):
     """``torch.nn.Linear`` as ``Sequential(BasicLinear, Bias)``: ``weight`` ``[out, in]``, ``bias`` ``[out]``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None
+    ) -> None:
         modules: list[torch.nn.Module] = [BasicLinear(in_features, out_features, device=device, dtype=dtype)]
         if bias:
             modules.append(Bias(out_features, device=device, dtype=dtype))

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .dtypes import compute_dtype
 from .fusion_rules import FusionContext, registered_rules, registry_version
 from .op import BasicOperation, OperationContext, TensorMeta
 from .plan import FusionPlan, PlanEntry
@@ -159,7 +160,10 @@ class _FuserFunction(torch.autograd.Function):
             for i, g_params, g_extra in zip(idx, op_grad_params, op_grad_extra):
                 grad_params[i] = list(g_params) if g_params else [None] * state.param_counts[i]
                 grad_extra_inputs[i] = tuple(g_extra) if g_extra else (None,) * state.extra_counts[i]
-        func_ctx.state = None  # release the contexts (and anything they reference)
+        # Drop the unpacked tensors (autograd frees its own copies unless retain_graph=True);
+        # the contexts stay so that a retained graph can run backward again.
+        for ctx in ctxs:
+            ctx.saved_tensors, ctx.saved = (), {}
         flat_extra = [g for grads in grad_extra_inputs for g in grads]
         flat_params = [g for grads in grad_params for g in grads]
         return (grad, None, *flat_extra, *flat_params)
@@ -206,7 +210,9 @@ class OperationFuser:
     ) -> FusionPlan:
         settings = current_settings()
         classes, kinds = _classify_extra_inputs(extra_inputs)
-        kwarg_keys = tuple(frozenset(k for k, v in op_kwargs.items() if v is not None) for op_kwargs in kwargs)
+        kwarg_keys = tuple(
+            frozenset(k for k, v in op_kwargs.items() if v is not None) for op_kwargs in kwargs
+        )
         key = (
             settings,
             input_meta.dtype,
@@ -223,7 +229,7 @@ class OperationFuser:
         if plan is None:
             context = FusionContext(
                 ops=tuple(self.ops),
-                dtype=input_meta.dtype,
+                dtype=compute_dtype(input_meta.dtype, input_meta.device),
                 device=input_meta.device,
                 requires_grad=any(flag[0] for flag in grad_flags),
                 settings=settings,
@@ -284,7 +290,9 @@ class OperationFuser:
     ) -> TensorMeta:
         """Validate the whole call before anything is computed or written."""
         if not isinstance(input_, torch.Tensor):
-            raise TypeError(f"{self.ops[0].op_name()}: input must be a torch.Tensor, got {type(input_).__name__}")
+            raise TypeError(
+                f"{self.ops[0].op_name()}: input must be a torch.Tensor, got {type(input_).__name__}"
+            )
         for op, op_kwargs in zip(self.ops, kwargs):
             op.check_kwargs(op_kwargs)
         guard = [input_]

@@ -83,7 +83,9 @@ class FusionContext:
         """Whether extra input ``a = (op_index, position)`` equals ``b`` (known cheaply)."""
         return self.extra_input_classes[a[0]][a[1]] == self.extra_input_classes[b[0]][b[1]]
 
-    def record(self, rule: str, indices: Sequence[int], *, fired: bool, reason: str = "", backend=None) -> None:
+    def record(
+        self, rule: str, indices: Sequence[int], *, fired: bool, reason: str = "", backend=None
+    ) -> None:
         assert self.decisions is not None
         self.decisions.append(
             FusionDecision(rule, self.kind, tuple(indices), fired, reason=reason, backend=backend)

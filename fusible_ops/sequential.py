@@ -126,7 +126,9 @@ class Sequential(torch.nn.Module):
         if op_kwargs is None:
             return {}
         if not isinstance(op_kwargs, Mapping):
-            raise TypeError(f"Sequential: op_kwargs must be a mapping of op -> dict, got {type(op_kwargs).__name__}")
+            raise TypeError(
+                f"Sequential: op_kwargs must be a mapping of op -> dict, got {type(op_kwargs).__name__}"
+            )
         modules = self._module_list()
         resolved: dict[int, dict[str, Any]] = {}
         given_as: dict[int, str] = {}
@@ -134,7 +136,9 @@ class Sequential(torch.nn.Module):
             if isinstance(key, torch.nn.Module):
                 positions = [i for i, m in enumerate(modules) if m is key]
                 if not positions:
-                    raise ValueError(f"Sequential: op_kwargs key {type(key).__name__} is not a module of this Sequential")
+                    raise ValueError(
+                        f"Sequential: op_kwargs key {type(key).__name__} is not a module of this Sequential"
+                    )
                 if len(positions) > 1:
                     raise ValueError(
                         f"Sequential: op_kwargs key {type(key).__name__} appears at indices {positions}; "
@@ -144,7 +148,9 @@ class Sequential(torch.nn.Module):
             elif isinstance(key, int) and not isinstance(key, bool):
                 n = len(modules)
                 if not -n <= key < n:
-                    raise ValueError(f"Sequential: op_kwargs key {key} is out of range for a Sequential of {n} modules")
+                    raise ValueError(
+                        f"Sequential: op_kwargs key {key} is out of range for a Sequential of {n} modules"
+                    )
                 index, label = key % n, f"index {key}"
             else:
                 raise ValueError(
@@ -252,4 +258,3 @@ class Sequential(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ""
-

@@ -24,8 +24,14 @@ class SplitInfo:
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:
     """Raise ``ValueError`` when ``split_sizes`` is unusable (host values checked eagerly)."""
     if isinstance(split_sizes, torch.Tensor):
-        if split_sizes.dtype.is_floating_point or split_sizes.dtype.is_complex or split_sizes.dtype == torch.bool:
-            raise ValueError(f"{op_name}: split_sizes must be an integer tensor, got dtype {split_sizes.dtype}")
+        if (
+            split_sizes.dtype.is_floating_point
+            or split_sizes.dtype.is_complex
+            or split_sizes.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"{op_name}: split_sizes must be an integer tensor, got dtype {split_sizes.dtype}"
+            )
         if split_sizes.dim() != 1 or split_sizes.numel() != num_groups:
             raise ValueError(
                 f"{op_name}: split_sizes must be 1-D of length {num_groups} (one per group), "

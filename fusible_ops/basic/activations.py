@@ -26,7 +26,9 @@ def check_activation_input(op_name: str, spec: ActivationSpec, meta: TensorMeta)
     block = 2 * (spec.glu_interleave_size or 1)
     if width % block:
         what = "even" if block == 2 else f"a multiple of {block} (2 x glu_interleave_size)"
-        raise ValueError(f"{op_name}: the last dim ({width}) must be {what} to split into gate and linear parts")
+        raise ValueError(
+            f"{op_name}: the last dim ({width}) must be {what} to split into gate and linear parts"
+        )
     return TensorMeta((*meta.shape[:-1], width // 2), meta.dtype, meta.device)
 
 
@@ -133,7 +135,10 @@ class ClampedSwiGLU(Activation):
         glu_interleave_size: int | None = None,
     ) -> None:
         super().__init__(
-            glu_interleave_size=glu_interleave_size, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset
+            glu_interleave_size=glu_interleave_size,
+            limit=limit,
+            alpha=alpha,
+            glu_linear_offset=glu_linear_offset,
         )
 
     def extra_repr(self) -> str:

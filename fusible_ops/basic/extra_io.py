@@ -16,7 +16,9 @@ class AddExtraInput(BasicOperation):
         extra = extra_inputs[0]
         if not isinstance(extra, torch.Tensor) or tuple(extra.shape) != tuple(input_meta.shape):
             got = list(extra.shape) if isinstance(extra, torch.Tensor) else type(extra).__name__
-            raise ValueError(f"AddExtraInput: extra input must be a tensor of shape {list(input_meta.shape)}, got {got}")
+            raise ValueError(
+                f"AddExtraInput: extra input must be a tensor of shape {list(input_meta.shape)}, got {got}"
+            )
         return input_meta
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:

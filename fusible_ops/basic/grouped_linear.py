@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_rows
+from ..dtypes import cast, compute_dtype
 from ..kernels import GroupedGemmBackend, select_backend
 from ..op import BasicOperation, OperationContext, TensorMeta
 from ..settings import current_settings
@@ -15,10 +16,16 @@ from ..splits import check_split_sizes, to_split_info
 
 
 def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_features: int) -> None:
-    """Shared input checks of the linear ops: feature count, dtype and device match."""
+    """Shared input checks of the linear ops: feature count, dtype and device match.
+
+    Under autocast the dtypes may differ: both are cast to autocast's dtype.
+    """
     if len(meta.shape) < 1 or meta.shape[-1] != in_features:
         raise ValueError(f"{op_name}: input has shape {list(meta.shape)}; expected [..., {in_features}]")
-    if meta.dtype != param.dtype:
+    if not meta.dtype.is_floating_point:
+        raise ValueError(f"{op_name}: input must be floating point, got {meta.dtype}")
+    autocast_on = torch.is_autocast_enabled(meta.device.type)
+    if meta.dtype != param.dtype and not autocast_on:
         raise ValueError(
             f"{op_name}: input dtype {meta.dtype} does not match the weight dtype {param.dtype}; "
             "convert one of them (e.g. module.to(dtype))"
@@ -87,13 +94,17 @@ class GroupedLinear(BasicOperation):
             f"out_features={self.out_features}, bias={self.bias is not None}"
         )
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors
+    ):
         # Accept per-group keys weight0..weight{G-1} (and bias0..) as well as the stacked tensors.
         for name in ("weight", "bias"):
             per_group = [f"{prefix}{name}{g}" for g in range(self.num_groups)]
             if prefix + name not in state_dict and all(k in state_dict for k in per_group):
                 state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in per_group])
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors
+        )
 
     # ------------------------------------------------------------ planning / checks
     def backend_for(self, device: torch.device, dtype: torch.dtype) -> GroupedGemmBackend:
@@ -105,6 +116,7 @@ class GroupedLinear(BasicOperation):
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         name = self.op_name()
         check_float_input(name, input_meta, self.weight, self.in_features)
+        dtype = compute_dtype(input_meta.dtype, input_meta.device)
         rows = math.prod(input_meta.shape[:-1])
         check_split_sizes(name, extra_inputs[0], self.num_groups, rows)
         out_shape = (*input_meta.shape[:-1], self.out_features)
@@ -112,9 +124,9 @@ class GroupedLinear(BasicOperation):
             buffer = kwargs.get(key)
             if buffer is not None:
                 validate_or_alloc_rows(
-                    buffer, shape, input_meta.dtype, input_meta.device, op_name=name, key=key, no_overlap=guard
+                    buffer, shape, dtype, input_meta.device, op_name=name, key=key, no_overlap=guard
                 )
-        return TensorMeta(out_shape, input_meta.dtype, input_meta.device)
+        return TensorMeta(out_shape, dtype, input_meta.device)
 
     # ------------------------------------------------------------ math
     def op_forward(
@@ -125,16 +137,17 @@ class GroupedLinear(BasicOperation):
         output: torch.Tensor | None = None,
         grad_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = input_.reshape(-1, self.in_features)
+        dtype = compute_dtype(input_.dtype, input_.device)
+        x = cast(input_.reshape(-1, self.in_features), dtype)
+        weight, bias = cast(self.weight, dtype), cast(self.bias, dtype)
         splits = to_split_info(split_sizes, x.shape[0], x.device)
         backend = self.backend_for(x.device, x.dtype)
         out_shape = (*input_.shape[:-1], self.out_features)
         out = None
         if output is not None:
             out = validate_or_alloc_rows(output, out_shape, x.dtype, x.device, op_name=self.op_name())
-        y = backend.fprop(
-            x, self.weight, splits.host, splits.offsets, bias=self.bias, out=None if out is None else out.view(-1, self.out_features)
-        )
+        out2d = None if out is None else out.view(-1, self.out_features)
+        y = backend.fprop(x, weight, splits.host, splits.offsets, bias=bias, out=out2d)
         if ctx.requires_grad:
             # Parameters are read from the module in backward, not saved: only
             # activations count as saved-for-backward memory.
@@ -142,6 +155,7 @@ class GroupedLinear(BasicOperation):
             ctx.backend = backend
             ctx.host_splits = splits.host
             ctx.input_shape = input_.shape
+            ctx.compute_dtype = dtype
             # The grad-input buffer is a destination, not saved state: it must stay the
             # caller's own memory even when saved-tensor hooks offload what is saved.
             ctx.grad_input_buffer = grad_input
@@ -150,7 +164,7 @@ class GroupedLinear(BasicOperation):
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         saved = ctx.saved
         backend: GroupedGemmBackend = ctx.backend
-        dy = grad_output.reshape(-1, self.out_features)
+        dy = cast(grad_output.reshape(-1, self.out_features), ctx.compute_dtype)
         if not dy.is_contiguous():
             dy = dy.contiguous()
         grad_input = None
@@ -158,15 +172,24 @@ class GroupedLinear(BasicOperation):
             out = None
             if ctx.grad_input_buffer is not None:
                 out = validate_or_alloc_rows(
-                    ctx.grad_input_buffer, ctx.input_shape, dy.dtype, dy.device, op_name=self.op_name(),
+                    ctx.grad_input_buffer,
+                    ctx.input_shape,
+                    dy.dtype,
+                    dy.device,
+                    op_name=self.op_name(),
                     key=GRAD_INPUT_BUFFER_KEY,
                 ).view(-1, self.in_features)
-            grad_input = backend.dgrad(dy, self.weight, ctx.host_splits, saved["offsets"], out=out)
+            weight = cast(self.weight, ctx.compute_dtype)
+            grad_input = backend.dgrad(dy, weight, ctx.host_splits, saved["offsets"], out=out)
             grad_input = grad_input.view(ctx.input_shape)
         grad_weight = grad_bias = None
         if self.weight.requires_grad:
-            grad_weight = backend.wgrad(dy, saved["x"], ctx.host_splits, saved["offsets"])
+            grad_weight = cast(
+                backend.wgrad(dy, saved["x"], ctx.host_splits, saved["offsets"]), self.weight.dtype
+            )
         if self.bias is not None and self.bias.requires_grad:
-            grad_bias = backend.bias_grad(dy, ctx.host_splits, saved["offsets"], self.num_groups)
+            grad_bias = cast(
+                backend.bias_grad(dy, ctx.host_splits, saved["offsets"], self.num_groups), self.bias.dtype
+            )
         params = [grad_weight] if self.bias is None else [grad_weight, grad_bias]
         return grad_input, params, (None,)

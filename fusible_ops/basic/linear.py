@@ -37,14 +37,18 @@ class BasicLinear(BasicOperation):
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         if _is_dtensor(self.weight):
-            return TensorMeta((*input_meta.shape[:-1], self.out_features), input_meta.dtype, input_meta.device)
+            return TensorMeta(
+                (*input_meta.shape[:-1], self.out_features), input_meta.dtype, input_meta.device
+            )
         check_float_input(self.op_name(), input_meta, self.weight, self.in_features)
         return TensorMeta((*input_meta.shape[:-1], self.out_features), input_meta.dtype, input_meta.device)
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
         if ctx.requires_grad:
             # the weight is read from the module in backward: only activations are saved
-            ctx.save_for_backward(input=input_ if self.weight.requires_grad or _is_dtensor(self.weight) else None)
+            ctx.save_for_backward(
+                input=input_ if self.weight.requires_grad or _is_dtensor(self.weight) else None
+            )
         return tp_linear_forward(input_, self.weight, None, mm_for_2d_compile=False)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
@@ -90,7 +94,9 @@ class Bias(BasicOperation):
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         if not input_meta.shape or input_meta.shape[-1] != self.features:
-            raise ValueError(f"Bias: input has shape {list(input_meta.shape)}; expected [..., {self.features}]")
+            raise ValueError(
+                f"Bias: input has shape {list(input_meta.shape)}; expected [..., {self.features}]"
+            )
         return input_meta
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:

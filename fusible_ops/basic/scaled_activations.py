@@ -107,7 +107,10 @@ class ScaledClampedSwiGLU(ScaledActivation):
         glu_interleave_size: int | None = None,
     ) -> None:
         super().__init__(
-            glu_interleave_size=glu_interleave_size, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset
+            glu_interleave_size=glu_interleave_size,
+            limit=limit,
+            alpha=alpha,
+            glu_linear_offset=glu_linear_offset,
         )
 
 
@@ -118,4 +121,3 @@ class ScaledSReLU(ScaledActivation):
 
     def __init__(self) -> None:
         super().__init__()
-

@@ -36,7 +36,9 @@ class Reshape(BasicOperation):
         if -1 in shape and known:
             shape = tuple(numel // known if s == -1 else s for s in shape)
         if math.prod(shape) != numel or (-1 in self.shape and known and numel % known):
-            raise ValueError(f"Reshape: cannot reshape input of shape {list(input_meta.shape)} to {list(self.shape)}")
+            raise ValueError(
+                f"Reshape: cannot reshape input of shape {list(input_meta.shape)} to {list(self.shape)}"
+            )
         return TensorMeta(shape, input_meta.dtype, input_meta.device)
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:

@@ -199,7 +199,11 @@ def _sync(device: torch.device) -> None:
 
 
 def time_interleaved(
-    variants: dict[str, Callable[[Problem, bool], None]], p: Problem, backward: bool, repeats: int, warmup: int
+    variants: dict[str, Callable[[Problem, bool], None]],
+    p: Problem,
+    backward: bool,
+    repeats: int,
+    warmup: int,
 ) -> dict[str, list[float]]:
     """Seconds per call of every variant, one call of each per round."""
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -336,7 +340,9 @@ def plot(results: dict, path: str) -> None:
 
 def main(args) -> int:
     shape = SMALL_SHAPE if args.small else DEFAULT_SHAPE
-    overrides = {k: getattr(args, k) for k in ("experts", "hidden", "ffn", "rows") if getattr(args, k) is not None}
+    overrides = {
+        k: getattr(args, k) for k in ("experts", "hidden", "ffn", "rows") if getattr(args, k) is not None
+    }
     shape = Shape(**{**asdict(shape), **overrides})
     dtype = getattr(torch, args.dtype)
     repeats = args.repeats if args.repeats is not None else (50 if args.small else 10)

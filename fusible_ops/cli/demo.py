@@ -44,13 +44,22 @@ def check_against_reference(dtype: torch.dtype = torch.bfloat16) -> fo.Sequentia
     combine_buf = torch.zeros(rows + 16, hidden, dtype=dtype)  # padded tail of 16 rows
     dispatch_grad_buf = torch.empty(rows, hidden, dtype=dtype)
     out = experts(
-        x, splits, probs, splits,
-        op_kwargs={experts[2]: {fo.OUTPUT_BUFFER_KEY: combine_buf}, 0: {fo.GRAD_INPUT_BUFFER_KEY: dispatch_grad_buf}},
+        x,
+        splits,
+        probs,
+        splits,
+        op_kwargs={
+            experts[2]: {fo.OUTPUT_BUFFER_KEY: combine_buf},
+            0: {fo.GRAD_INPUT_BUFFER_KEY: dispatch_grad_buf},
+        },
     )
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
 
-    ref_params = [experts[0].weight.detach().double().requires_grad_(), experts[2].weight.detach().double().requires_grad_()]
+    ref_params = [
+        experts[0].weight.detach().double().requires_grad_(),
+        experts[2].weight.detach().double().requires_grad_(),
+    ]
     x_ref = x.detach().double().requires_grad_()
     p_ref = probs.detach().double().requires_grad_()
     ref = reference_expert_block(x_ref, split_sizes, p_ref, *ref_params)
@@ -67,12 +76,16 @@ def check_against_reference(dtype: torch.dtype = torch.bfloat16) -> fo.Sequentia
         "grad fc2 weight": rel(experts[2].weight.grad, ref_params[1].grad),
     }
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    print(f"1) expert block vs float64 reference ({experts_n} experts, {rows} rows, splits {split_sizes}, {dtype}):")
+    print(
+        f"1) expert block vs float64 reference ({experts_n} experts, {rows} rows, splits {split_sizes}, {dtype}):"
+    )
     for name, err in checks.items():
         print(f"   {name:<16} relative error {err:.2e}  {'ok' if err < tolerance else 'FAIL'}")
-    print(f"   output aliases the combine buffer: {out.data_ptr() == combine_buf.data_ptr()}; "
-          f"padded tail untouched: {bool((combine_buf[rows:] == 0).all())}; "
-          f"grad-input buffer holds x.grad: {torch.equal(dispatch_grad_buf, x.grad)}")
+    print(
+        f"   output aliases the combine buffer: {out.data_ptr() == combine_buf.data_ptr()}; "
+        f"padded tail untouched: {bool((combine_buf[rows:] == 0).all())}; "
+        f"grad-input buffer holds x.grad: {torch.equal(dispatch_grad_buf, x.grad)}"
+    )
     if any(err >= tolerance for err in checks.values()):
         raise SystemExit("demo: the expert block disagrees with the reference")
     print()
@@ -85,10 +98,14 @@ def train_small_moe(steps: int) -> None:
     """Teacher-student regression through a router + fused expert block."""
     torch.manual_seed(1)
     experts_n, hidden, ffn, tokens, top_k = 4, 32, 48, 256, 2
-    teacher = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden))
+    teacher = torch.nn.Sequential(
+        torch.nn.Linear(hidden, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden)
+    )
     router = torch.nn.Linear(hidden, experts_n, bias=False)
     experts = fo.Sequential(
-        fo.GroupedLinear(experts_n, hidden, 2 * ffn), fo.ScaledSwiGLU(), fo.GroupedLinear(experts_n, ffn, hidden)
+        fo.GroupedLinear(experts_n, hidden, 2 * ffn),
+        fo.ScaledSwiGLU(),
+        fo.GroupedLinear(experts_n, ffn, hidden),
     )
     optimizer = torch.optim.Adam([*router.parameters(), *experts.parameters()], lr=3e-3)
     print(f"3) training a small MoE regression ({experts_n} experts, top-{top_k}, {tokens} tokens/step):")

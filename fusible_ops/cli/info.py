@@ -29,7 +29,9 @@ def devices() -> list[tuple[torch.device, str]]:
 def main(args=None) -> int:
     import fusible_ops
 
-    print(f"fusible-ops {fusible_ops.__version__}, python {platform.python_version()}, torch {torch.__version__}")
+    print(
+        f"fusible-ops {fusible_ops.__version__}, python {platform.python_version()}, torch {torch.__version__}"
+    )
     for dist in ("triton", "nvidia-cudnn-frontend", "transformer-engine"):
         print(f"  {dist}: {_version(dist)}")
     print(f"  CUDA available: {torch.cuda.is_available()}; CPU threads: {torch.get_num_threads()}")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..basic.activations import Activation
-from ..basic.linear import Bias, BasicLinear, _is_dtensor
+from ..basic.linear import BasicLinear, Bias, _is_dtensor
 from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels.activation import activation_backward, activation_forward
 from ..op import BasicOperation, FusedOperation

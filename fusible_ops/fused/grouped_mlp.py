@@ -20,6 +20,7 @@ from ..basic.grouped_linear import GroupedLinear
 from ..basic.scale import Scale
 from ..basic.scaled_activations import ScaledActivation
 from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_rows
+from ..dtypes import cast, compute_dtype
 from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels import GroupedGemmBackend, select_backend
 from ..kernels.activation import ActivationSpec, row_dot
@@ -58,7 +59,9 @@ class GroupedMLP(FusedOperation):
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
         fc1, fc2, kernels = self.fc1, self.fc2, self.kernels
         ctx1: OperationContext = basic_op_ctxs[0]
-        x = input_.reshape(-1, fc1.in_features)
+        dtype = compute_dtype(input_.dtype, input_.device)
+        x = cast(input_.reshape(-1, fc1.in_features), dtype)
+        w1, b1, w2, b2 = (cast(t, dtype) for t in (fc1.weight, fc1.bias, fc2.weight, fc2.bias))
         splits = to_split_info(basic_op_extra_inputs[0][0], x.shape[0], x.device)
         scales_in = basic_op_extra_inputs[self._scales_position()][0]
         scales = scales_in.reshape(-1)
@@ -71,10 +74,15 @@ class GroupedMLP(FusedOperation):
         out2d = None if out is None else out.view(-1, fc2.out_features)
 
         pre, act = kernels.fc1_fprop_act(
-            x, fc1.weight, fc1.bias, splits.host, splits.offsets, self.spec,
+            x,
+            w1,
+            b1,
+            splits.host,
+            splits.offsets,
+            self.spec,
             None if self.scale_after_fc2 else scales,
         )
-        y = kernels.fprop(act, fc2.weight, splits.host, splits.offsets, bias=fc2.bias, out=out2d)
+        y = kernels.fprop(act, w2, splits.host, splits.offsets, bias=b2, out=out2d)
         unscaled_y = None
         if self.scale_after_fc2:
             if scales_in.requires_grad and any(c.requires_grad for c in basic_op_ctxs):
@@ -92,6 +100,7 @@ class GroupedMLP(FusedOperation):
             )
             ctx1.host_splits = splits.host
             ctx1.input_shape = input_.shape
+            ctx1.compute_dtype = dtype
             ctx1.scales_shape = scales_in.shape
             ctx1.scales_requires_grad = scales_in.requires_grad
             # a destination, not saved state (see GroupedLinear.op_forward)
@@ -105,7 +114,9 @@ class GroupedMLP(FusedOperation):
         ctx1: OperationContext = basic_op_ctxs[0]
         saved = ctx1.saved
         pre, scales, offsets, host = saved["pre"], saved["scales"], saved["offsets"], ctx1.host_splits
-        dy = grad_output.reshape(-1, fc2.out_features)
+        dtype = ctx1.compute_dtype
+        w1, w2 = cast(fc1.weight, dtype), cast(fc2.weight, dtype)
+        dy = cast(grad_output.reshape(-1, fc2.out_features), dtype)
         if not dy.is_contiguous():
             dy = dy.contiguous()
 
@@ -114,11 +125,9 @@ class GroupedMLP(FusedOperation):
             if ctx1.scales_requires_grad:
                 grad_scales = row_dot(saved["unscaled_y"], dy, scales.dtype)
             dy = dy * scales.to(dy.dtype).unsqueeze(-1)
-            grad_pre, _, act = kernels.fc2_dgrad_act(dy, fc2.weight, pre, host, offsets, self.spec, None)
+            grad_pre, _, act = kernels.fc2_dgrad_act(dy, w2, pre, host, offsets, self.spec, None)
         else:
-            grad_pre, grad_scales, act = kernels.fc2_dgrad_act(
-                dy, fc2.weight, pre, host, offsets, self.spec, scales
-            )
+            grad_pre, grad_scales, act = kernels.fc2_dgrad_act(dy, w2, pre, host, offsets, self.spec, scales)
             if not ctx1.scales_requires_grad:
                 grad_scales = None
 
@@ -133,10 +142,14 @@ class GroupedMLP(FusedOperation):
             out = None
             if ctx1.grad_input_buffer is not None:
                 out = validate_or_alloc_rows(
-                    ctx1.grad_input_buffer, ctx1.input_shape, grad_pre.dtype, grad_pre.device,
-                    op_name=fc1.op_name(), key=GRAD_INPUT_BUFFER_KEY,
+                    ctx1.grad_input_buffer,
+                    ctx1.input_shape,
+                    grad_pre.dtype,
+                    grad_pre.device,
+                    op_name=fc1.op_name(),
+                    key=GRAD_INPUT_BUFFER_KEY,
                 ).view(-1, fc1.in_features)
-            grad_input = kernels.dgrad(grad_pre, fc1.weight, host, offsets, out=out).view(ctx1.input_shape)
+            grad_input = kernels.dgrad(grad_pre, w1, host, offsets, out=out).view(ctx1.input_shape)
         grad_w1 = kernels.wgrad(grad_pre, saved["x"], host, offsets) if fc1.weight.requires_grad else None
         grad_b1 = None
         if fc1.bias is not None and fc1.bias.requires_grad:
@@ -155,7 +168,9 @@ class GroupedMLP(FusedOperation):
 
 
 def _param_grads(op: GroupedLinear, grad_weight, grad_bias) -> list:
-    return [grad_weight] if op.bias is None else [grad_weight, grad_bias]
+    """Gradients in the parameters' own dtypes (they differ under autocast)."""
+    grad_weight = cast(grad_weight, op.weight.dtype)
+    return [grad_weight] if op.bias is None else [grad_weight, cast(grad_bias, op.bias.dtype)]
 
 
 # ---------------------------------------------------------------- rules
@@ -176,7 +191,9 @@ def _check_mlp(context: FusionContext, ops: list[BasicOperation], first: int) ->
     if fc1.weight.dtype != fc2.weight.dtype or fc1.weight.device != fc2.weight.device:
         return "fc1 and fc2 weights differ in dtype or device"
     if context.has_kwarg(first, OUTPUT_BUFFER_KEY):
-        return "output buffer requested on fc1 (the fused op does not materialise fc1's output for the caller)"
+        return (
+            "output buffer requested on fc1 (the fused op does not materialise fc1's output for the caller)"
+        )
     if context.has_kwarg(first + 2, GRAD_INPUT_BUFFER_KEY):
         return "grad_input buffer requested on fc2 (the fused op does not materialise fc2's input gradient)"
     if not context.same_extra_input((first, 0), (first + 2, 0)):
@@ -205,9 +222,10 @@ grouped_mlp_rule = window_rule(
     "grouped_mlp", (GroupedLinear, ScaledActivation, GroupedLinear), _build(scale_after_fc2=False)
 )
 grouped_mlp_scale_after_rule = window_rule(
-    "grouped_mlp_scale_after_fc2", (GroupedLinear, Activation, GroupedLinear, Scale), _build(scale_after_fc2=True)
+    "grouped_mlp_scale_after_fc2",
+    (GroupedLinear, Activation, GroupedLinear, Scale),
+    _build(scale_after_fc2=True),
 )
 
 register_fusion(grouped_mlp_rule, kind="joint")
 register_fusion(grouped_mlp_scale_after_rule, kind="joint")
-

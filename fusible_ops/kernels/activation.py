@@ -36,9 +36,13 @@ class ActivationSpec:
             raise ValueError(f"unknown activation kind {self.kind!r}; expected one of {ACTIVATION_KINDS}")
         if self.glu_interleave_size is not None:
             if not self.gated:
-                raise ValueError(f"glu_interleave_size is only valid for gated activations, not {self.kind!r}")
+                raise ValueError(
+                    f"glu_interleave_size is only valid for gated activations, not {self.kind!r}"
+                )
             if int(self.glu_interleave_size) < 1:
-                raise ValueError(f"glu_interleave_size must be a positive int, got {self.glu_interleave_size}")
+                raise ValueError(
+                    f"glu_interleave_size must be a positive int, got {self.glu_interleave_size}"
+                )
 
     @property
     def gated(self) -> bool:

@@ -1,0 +1,17 @@
+"""Compute dtype under autocast: the linear ops compute in autocast's dtype when it is on."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(input_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Autocast's dtype for ``device`` when autocast is enabled there, else ``input_dtype``."""
+    if input_dtype.is_floating_point and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return input_dtype
+
+
+def cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` in ``dtype`` (no copy when it already is)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
