@@ -77,7 +77,10 @@ def validate_or_alloc_output(
                 f"{where} overlaps the memory of one of the op's inputs or parameters "
                 f"(shape {tuple(other.shape)}); use a separate buffer"
             )
-    return buffer[: shape[0]] if buffer.shape[0] != shape[0] else buffer
+    # Always a new view, never ``buffer`` itself: an autograd Function returning it would
+    # attach its grad_fn to the caller's tensor, which then fails the requires_grad check
+    # when the buffer is reused in the next iteration.
+    return buffer[: shape[0]]
 
 
 def validate_or_alloc_rows(

@@ -120,7 +120,7 @@ def window_rule(name: str, pattern: Sequence[type | tuple[type, ...]], build: Bu
                 indices = tuple(i for entry in window for i in entry.indices)
                 built: Any = build(context, ops, indices[0])
                 if isinstance(built, FusedOperation):
-                    context.record(name, indices, fired=True, backend=built.backend)
+                    context.record(name, indices, fired=True, reason=built.note, backend=built.backend)
                     result.append(PlanEntry(built, indices))
                     position += len(pattern)
                     continue

@@ -155,14 +155,17 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
 class FusedOperation(FusibleOperation):
     """Stateless replacement for a run of basic ops; uses their parameters.
 
-    ``backend`` names the kernel backend chosen when the plan was made (or None).
+    ``backend`` names the kernel backend chosen when the plan was made (or None);
+    ``note`` says anything else the plan should show (skipped backends, copies).
     """
 
     is_fused_op = True
 
-    def __init__(self, basic_ops: Sequence[BasicOperation], *, backend: str | None = None) -> None:
+    def __init__(self, basic_ops: Sequence[BasicOperation], *, backend: str | None = None, note: str = "") -> None:
         self.basic_ops = tuple(basic_ops)
         self.backend = backend
+        #: shown in the plan next to the decision that built this op (e.g. skipped backends)
+        self.note = note
 
     def describe(self) -> str:
         suffix = f" [backend={self.backend}]" if self.backend else ""

@@ -55,8 +55,12 @@ def reference(x, split_sizes, probs, w1, b1, w2, b2, kind, *, scale_after=False,
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
-SCALED = {"swiglu": fo.ScaledSwiGLU, "geglu": fo.ScaledGEGLU, "clamped_swiglu": fo.ScaledClampedSwiGLU,
-          "srelu": fo.ScaledSReLU}
+SCALED = {
+    "swiglu": fo.ScaledSwiGLU,
+    "geglu": fo.ScaledGEGLU,
+    "clamped_swiglu": fo.ScaledClampedSwiGLU,
+    "srelu": fo.ScaledSReLU,
+}
 UNSCALED = {"swiglu": fo.SwiGLU, "geglu": fo.GEGLU, "clamped_swiglu": fo.ClampedSwiGLU, "srelu": fo.SReLU}
 
 

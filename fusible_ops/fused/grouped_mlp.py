@@ -22,7 +22,7 @@ from ..basic.scaled_activations import ScaledActivation
 from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_rows
 from ..dtypes import cast, compute_dtype
 from ..fusion_rules import FusionContext, register_fusion, window_rule
-from ..kernels import GroupedGemmBackend, select_backend
+from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels.activation import ActivationSpec, row_dot
 from ..op import BasicOperation, FusedOperation, OperationContext
 from ..splits import to_split_info
@@ -213,9 +213,27 @@ def _build(scale_after_fc2: bool):
         if reason is not None:
             return reason
         choice = select_backend(context.device, context.dtype, purpose="mlp", forced=context.settings.backend)
-        return GroupedMLP(ops, choice.backend, scale_after_fc2=scale_after_fc2)
+        fused = GroupedMLP(ops, choice.backend, scale_after_fc2=scale_after_fc2)
+        fused.note = "; ".join(_plan_notes(context, choice, ops[1].spec, first))
+        return fused
 
     return build
+
+
+def _plan_notes(context: FusionContext, choice: BackendChoice, spec: ActivationSpec, first: int) -> list[str]:
+    """What the plan should say about how the fused op will run."""
+    backend = choice.backend
+    notes = [choice.explain()]
+    if backend.fused_activation:
+        notes.append("activation and scaling fused with the GEMMs")
+    else:
+        notes.append("activation and scaling run as separate passes (backend has no fused epilogue)")
+    has_output = context.has_kwarg(first + 2, OUTPUT_BUFFER_KEY)
+    if has_output and not backend.writes_in_place:
+        notes.append(f"fc2 output is copied into the caller's buffer ({backend.name} cannot write in place)")
+    elif has_output:
+        notes.append("fc2 writes the caller's output buffer in place")
+    return notes
 
 
 grouped_mlp_rule = window_rule(

@@ -1,0 +1,21 @@
+# ruff: noqa: F401  (re-exports)
+"""Parallelism: tensor-parallel linear dispatch and modules."""
+
+from __future__ import annotations
+
+from .tp_linear import (
+    PATH_ASYNC_TP,
+    PATH_BMM,
+    PATH_LINEAR,
+    PATH_MM,
+    select_tp_linear_path,
+    tp_linear_forward,
+)
+from .tp_modules import (
+    LinearLoRA,
+    TPLinear,
+    lora_colwise_parallel,
+    lora_rowwise_parallel,
+    shard_colwise,
+    shard_rowwise,
+)
