@@ -1,0 +1,259 @@
+"""Caller-provided buffers (DESIGN 5): aliasing, bit-identity, padded tail, and every rejection.
+
+Each scenario runs fused (the default: GroupedMLP) and unfused (``fo.settings(fusion=False)``),
+and on a lone GroupedLinear. A rejected call must leave every buffer and parameter as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import fusible_ops as fo
+
+SPLITS = [5, 0, 7, 4]
+ROWS, HIDDEN, FFN, EXPERTS = 16, 8, 6, 4
+SENTINEL = -1234.5
+MODES = ["fused", "unfused"]
+
+
+def fusion(mode: str):
+    return fo.settings(fusion=False) if mode == "unfused" else contextlib.nullcontext()
+
+
+def expert_block(dtype=torch.float32) -> fo.Sequential:
+    return fo.Sequential(
+        fo.GroupedLinear(EXPERTS, HIDDEN, 2 * FFN, dtype=dtype),
+        fo.ScaledSwiGLU(),
+        fo.GroupedLinear(EXPERTS, FFN, HIDDEN, dtype=dtype),
+    )
+
+
+def inputs(dtype=torch.float32, shape=(ROWS, HIDDEN)):
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    probs = torch.rand(shape[:-1], dtype=dtype, requires_grad=True)
+    return x, probs
+
+
+def sentinel(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.full(shape, SENTINEL, dtype=dtype)
+
+
+def run(seq, x, probs, op_kwargs=None, grad_seed=1):
+    """Forward + backward with a fixed output gradient; returns output and all grads."""
+    out = seq(x, SPLITS, probs, SPLITS, op_kwargs=op_kwargs)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
+    x.grad = probs.grad = None
+    seq.zero_grad(set_to_none=True)
+    out.backward(dy)
+    return out, x.grad, probs.grad, seq[0].weight.grad, seq[2].weight.grad
+
+
+# ---------------------------------------------------------------- accepted buffers
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_buffers_alias_and_are_bit_identical(mode, dtype):
+    seq = expert_block(dtype)
+    x, probs = inputs(dtype)
+    with fusion(mode):
+        expected = [t.clone() for t in run(seq, x, probs)]
+        out_buf = sentinel(ROWS + 5, HIDDEN, dtype=dtype)  # padded tail of 5 rows
+        grad_buf = sentinel(ROWS, HIDDEN, dtype=dtype)
+        got = run(
+            seq, x, probs, {2: {fo.OUTPUT_BUFFER_KEY: out_buf}, 0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}}
+        )
+        plan = seq.last_plan.fusion_plans[0]
+    assert plan.forward_op_types() == (
+        ["GroupedMLP"] if mode == "fused" else ["GroupedLinear", "ScaledSwiGLU", "GroupedLinear"]
+    )
+    out = got[0]
+    assert out.data_ptr() == out_buf.data_ptr() and out.shape == (ROWS, HIDDEN)
+    assert torch.all(out_buf[ROWS:] == SENTINEL), "the padded tail was written"
+    assert torch.equal(out_buf[:ROWS], expected[0])
+    assert torch.equal(grad_buf, got[1]) and torch.equal(grad_buf, expected[1])
+    for name, a, b in zip(("out", "dx", "dprobs", "dw1", "dw2"), got, expected):
+        assert torch.equal(a, b), f"{name} differs with buffers"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_buffer_on_its_own(mode):
+    seq = expert_block()
+    x, probs = inputs()
+    with fusion(mode):
+        expected = [t.clone() for t in run(seq, x, probs)]
+        out_buf = sentinel(ROWS, HIDDEN)
+        got = run(seq, x, probs, {seq[2]: {fo.OUTPUT_BUFFER_KEY: out_buf}})
+        assert got[0].data_ptr() == out_buf.data_ptr()
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+        grad_buf = sentinel(ROWS + 2, HIDDEN)
+        got = run(seq, x, probs, {seq[0]: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}})
+        assert grad_buf[:ROWS].data_ptr() == grad_buf.data_ptr()
+        assert torch.equal(grad_buf[:ROWS], expected[1])
+        assert torch.all(grad_buf[ROWS:] == SENTINEL)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_buffers_reused_across_iterations(mode):
+    seq = expert_block()
+    out_buf, grad_buf = torch.empty(ROWS, HIDDEN), torch.empty(ROWS, HIDDEN)
+    kwargs = {-1: {fo.OUTPUT_BUFFER_KEY: out_buf}, 0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}}
+    with fusion(mode):
+        for _ in range(3):
+            x, probs = inputs()
+            expected = [t.clone() for t in run(seq, x, probs)]
+            got = run(seq, x, probs, kwargs)
+            assert got[0].data_ptr() == out_buf.data_ptr()
+            assert torch.equal(out_buf, expected[0]) and torch.equal(grad_buf, expected[1])
+            # the caller's buffers stay plain tensors: no grad_fn attached to them
+            assert not out_buf.requires_grad and out_buf.grad_fn is None and grad_buf.grad_fn is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_seq_hidden_input_with_flat_or_shaped_buffer(mode):
+    seq = expert_block()
+    x, probs = inputs(shape=(2, 8, HIDDEN))
+    with fusion(mode):
+        expected = [t.clone() for t in run(seq, x, probs)]
+        flat = sentinel(ROWS + 1, HIDDEN)  # token dims flattened, with a padded row
+        got = run(seq, x, probs, {2: {fo.OUTPUT_BUFFER_KEY: flat}})
+        assert got[0].shape == (2, 8, HIDDEN) and got[0].data_ptr() == flat.data_ptr()
+        assert torch.equal(got[0], expected[0]) and flat[ROWS, 0] == SENTINEL
+        shaped = sentinel(2, 8, HIDDEN)
+        got = run(seq, x, probs, {0: {fo.GRAD_INPUT_BUFFER_KEY: shaped}})
+        assert torch.equal(shaped, expected[1])
+
+
+def test_lone_grouped_linear_buffers():
+    op = fo.GroupedLinear(EXPERTS, HIDDEN, 3, bias=True)
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    expected = op(x, SPLITS)
+    expected.backward(torch.ones_like(expected))
+    expected_dx = x.grad.clone()
+    x.grad = None
+    out_buf, grad_buf = sentinel(ROWS + 3, 3), sentinel(ROWS, HIDDEN)
+    out = op(x, SPLITS, output=out_buf, grad_input=grad_buf)
+    assert out.data_ptr() == out_buf.data_ptr() and torch.equal(out, expected)
+    assert torch.all(out_buf[ROWS:] == SENTINEL)
+    out.backward(torch.ones_like(out))
+    assert torch.equal(grad_buf, expected_dx) and torch.equal(x.grad, expected_dx)
+
+
+def test_zero_tokens_with_buffers():
+    seq = expert_block()
+    x, probs = torch.zeros(0, HIDDEN, requires_grad=True), torch.zeros(0, requires_grad=True)
+    out_buf = sentinel(4, HIDDEN)
+    out = seq(x, [0] * EXPERTS, probs, [0] * EXPERTS, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: out_buf}})
+    assert out.shape == (0, HIDDEN)
+    out.sum().backward()
+    assert torch.all(out_buf == SENTINEL)
+    assert torch.equal(seq[0].weight.grad, torch.zeros_like(seq[0].weight))
+
+
+# ---------------------------------------------------------------- rejected buffers
+
+
+BAD_BUFFERS = {
+    # name: (builder(x, seq, required_shape) -> buffer, message regex)
+    "too_few_rows": (lambda x, seq, shape: sentinel(shape[0] - 1, shape[1]), r"has 15 rows; at least 16"),
+    "wrong_trailing_dims": (
+        lambda x, seq, shape: sentinel(shape[0], shape[1] + 1),
+        r"trailing dims must match",
+    ),
+    "wrong_rank": (lambda x, seq, shape: sentinel(shape[0], 2, shape[1]), r"trailing dims must match"),
+    "wrong_dtype": (
+        lambda x, seq, shape: sentinel(*shape, dtype=torch.float64),
+        r"dtype torch.float64; expected torch.float32",
+    ),
+    "wrong_device": (lambda x, seq, shape: torch.empty(shape, device="meta"), r"is on meta; expected cpu"),
+    "non_contiguous": (lambda x, seq, shape: sentinel(shape[1], shape[0]).t(), r"must be contiguous"),
+    "requires_grad": (
+        lambda x, seq, shape: sentinel(*shape).requires_grad_(),
+        r"must not require grad; pass buf.detach\(\)",
+    ),
+    "overlaps_input": (
+        lambda x, seq, shape: x.detach().view(-1)[: shape[0] * shape[1]].view(shape),
+        r"overlaps",
+    ),
+    "overlaps_parameter": (
+        lambda x, seq, shape: seq[0].weight.detach().view(-1)[: shape[0] * shape[1]].view(shape),
+        r"overlaps",
+    ),
+    "not_a_tensor": (lambda x, seq, shape: [[0.0] * shape[1]] * shape[0], r"must be a torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("key", [fo.OUTPUT_BUFFER_KEY, fo.GRAD_INPUT_BUFFER_KEY])
+@pytest.mark.parametrize("bad", list(BAD_BUFFERS))
+def test_bad_buffer_rejected_before_any_write(bad, key, mode):
+    seq = expert_block()
+    x, probs = inputs()
+    build, message = BAD_BUFFERS[bad]
+    buffer = build(x, seq, (ROWS, HIDDEN))
+    # the other buffer is valid: it must not be written either
+    good = sentinel(ROWS, HIDDEN)
+    if key == fo.OUTPUT_BUFFER_KEY:
+        op_kwargs = {2: {key: buffer}, 0: {fo.GRAD_INPUT_BUFFER_KEY: good}}
+    else:
+        op_kwargs = {0: {key: buffer}, 2: {fo.OUTPUT_BUFFER_KEY: good}}
+    params_before = [p.detach().clone() for p in seq.parameters()]
+    x_before = x.detach().clone()
+    buffer_before = (
+        buffer.detach().clone() if isinstance(buffer, torch.Tensor) and not buffer.is_meta else None
+    )
+
+    with fusion(mode):
+        with pytest.raises(ValueError, match=rf"GroupedLinear: buffer '{key}' .*" + message):
+            seq(x, SPLITS, probs, SPLITS, op_kwargs=op_kwargs)
+        with pytest.raises(ValueError, match=message):
+            seq.explain(x, SPLITS, probs, SPLITS, op_kwargs=op_kwargs)
+
+        assert torch.all(good == SENTINEL), "a valid buffer was written by a failed call"
+        if buffer_before is not None:
+            assert torch.equal(buffer.detach(), buffer_before), "the rejected buffer was written"
+        assert all(torch.equal(p, b) for p, b in zip(seq.parameters(), params_before))
+        assert torch.equal(x.detach(), x_before) and x.grad is None and probs.grad is None
+        # the same Sequential still works with valid buffers
+        out = seq(x, SPLITS, probs, SPLITS, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: good}})
+        assert out.data_ptr() == good.data_ptr()
+
+
+def test_lone_grouped_linear_rejects_before_write():
+    op = fo.GroupedLinear(EXPERTS, HIDDEN, 3)
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    good = sentinel(ROWS, 3)
+    with pytest.raises(ValueError, match="grad_input"):
+        op(x, SPLITS, output=good, grad_input=sentinel(ROWS, HIDDEN + 1))
+    assert torch.all(good == SENTINEL)
+    weight = op.weight.detach().clone()
+    with pytest.raises(ValueError, match="overlaps"):
+        op(x, SPLITS, output=op.weight.detach().view(-1)[: ROWS * 3].view(ROWS, 3))
+    assert torch.equal(op.weight, weight)
+
+
+# ---------------------------------------------------------------- validate_or_alloc_output
+
+
+def test_validate_or_alloc_output_directly():
+    fresh = fo.validate_or_alloc_output(None, (3, 4), torch.float32, "cpu")
+    assert fresh.shape == (3, 4) and fresh.dtype == torch.float32
+    buf = torch.empty(5, 4)
+    view = fo.validate_or_alloc_output(buf, (3, 4), torch.float32, torch.device("cpu"))
+    assert view.shape == (3, 4) and view.data_ptr() == buf.data_ptr()
+    full = fo.validate_or_alloc_output(buf, (5, 4), torch.float32, "cpu")
+    assert full is not buf and full.data_ptr() == buf.data_ptr()  # a view: autograd never touches buf
+    with pytest.raises(ValueError, match=r"fc9: buffer 'grad_input' has 5 rows; at least 6 are needed"):
+        fo.validate_or_alloc_output(buf, (6, 4), torch.float32, "cpu", op_name="fc9", key="grad_input")
+    other = torch.empty(10)
+    with pytest.raises(ValueError, match="overlaps"):
+        fo.validate_or_alloc_output(
+            other[2:].view(2, 4), (2, 4), torch.float32, "cpu", no_overlap=[other[:3]]
+        )
+    # adjacent but disjoint memory is fine
+    fo.validate_or_alloc_output(other[2:].view(2, 4), (2, 4), torch.float32, "cpu", no_overlap=[other[:2]])

@@ -1,0 +1,258 @@
+"""Sequential: the DESIGN 1 usage, op_kwargs resolution and its errors, the container protocol."""
+
+from __future__ import annotations
+
+import pytest
+import reference_ops as ref
+import torch
+
+import fusible_ops as fo
+
+SPLITS = [5, 0, 7, 4]
+ROWS, HIDDEN, FFN, EXPERTS = 16, 8, 6, 4
+
+
+def expert_block(dtype=torch.float32) -> fo.Sequential:
+    return fo.Sequential(
+        fo.GroupedLinear(EXPERTS, HIDDEN, 2 * FFN, dtype=dtype),
+        fo.ScaledSwiGLU(),
+        fo.GroupedLinear(EXPERTS, FFN, HIDDEN, dtype=dtype),
+    )
+
+
+def block_inputs(dtype=torch.float32):
+    x = torch.randn(ROWS, HIDDEN, dtype=dtype, requires_grad=True)
+    probs = torch.rand(ROWS, dtype=dtype, requires_grad=True)
+    return x, probs
+
+
+def reference(seq: fo.Sequential, x, probs):
+    x_ref, p_ref = ref.leaf(x), ref.leaf(probs)
+    w1, w2 = ref.leaf(seq[0].weight), ref.leaf(seq[2].weight)
+    y = ref.expert_block(x_ref, w1, p_ref, w2, SPLITS)
+    return y, (x_ref, p_ref, w1, w2)
+
+
+def test_design_usage_verbatim():
+    num_experts, hidden, ffn = EXPERTS, HIDDEN, FFN
+    x, probs = block_inputs()
+    split_sizes = torch.tensor(SPLITS)
+    combine_buf = torch.full((ROWS + 3, hidden), -7.0)
+    dispatch_grad_buf = torch.full((ROWS, hidden), -7.0)
+
+    experts = fo.Sequential(
+        fo.GroupedLinear(num_experts, hidden, 2 * ffn),  # fc1: gate and up projections
+        fo.ScaledSwiGLU(),  # silu(gate) * up * routing prob
+        fo.GroupedLinear(num_experts, ffn, hidden),  # fc2: down projection
+    )
+    out = experts(
+        x,
+        split_sizes,
+        probs,
+        split_sizes,  # extra inputs, in op order
+        op_kwargs={
+            experts[2]: {fo.OUTPUT_BUFFER_KEY: combine_buf},  # fc2 writes here
+            0: {fo.GRAD_INPUT_BUFFER_KEY: dispatch_grad_buf},
+        },  # fc1's dgrad lands here
+    )
+    assert out.data_ptr() == combine_buf.data_ptr()
+    assert torch.all(combine_buf[ROWS:] == -7.0)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    assert torch.equal(x.grad, dispatch_grad_buf)
+
+    y_ref, (x_ref, p_ref, w1, w2) = reference(experts, x, probs)
+    y_ref.backward(dy.double())
+    for actual, expected in (
+        (out, y_ref),
+        (x.grad, x_ref.grad),
+        (probs.grad, p_ref.grad),
+        (experts[0].weight.grad, w1.grad),
+        (experts[2].weight.grad, w2.grad),
+    ):
+        assert ref.max_rel_err(actual, expected) < 1e-5
+
+
+@pytest.mark.parametrize("key", ["module", "index", "negative_index"])
+def test_op_kwargs_key_forms_are_equivalent(key):
+    seq = expert_block()
+    x, probs = block_inputs()
+    expected = seq(x, SPLITS, probs, SPLITS)
+    buf = torch.empty(ROWS, HIDDEN)
+    op_key = {"module": seq[2], "index": 2, "negative_index": -1}[key]
+    out = seq(x, SPLITS, probs, SPLITS, op_kwargs={op_key: {fo.OUTPUT_BUFFER_KEY: buf}})
+    assert out.data_ptr() == buf.data_ptr()
+    assert torch.equal(out, expected)
+
+    grad_buf = torch.empty(ROWS, HIDDEN)
+    first_key = {"module": seq[0], "index": 0, "negative_index": -3}[key]
+    out = seq(x, SPLITS, probs, SPLITS, op_kwargs={first_key: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}})
+    out.sum().backward()
+    assert torch.equal(grad_buf, x.grad)
+
+
+# ---------------------------------------------------------------- op_kwargs errors
+
+
+def _stranger():
+    return fo.GroupedLinear(EXPERTS, FFN, HIDDEN)
+
+
+OP_KWARGS_ERRORS = [
+    # (name, op_kwargs builder, exception type, message regex)
+    ("op not in the Sequential", lambda s: {_stranger(): {}}, ValueError, "not a module of this Sequential"),
+    ("index out of range", lambda s: {5: {}}, ValueError, r"op_kwargs key 5 is out of range .* 5 modules"),
+    ("negative index out of range", lambda s: {-6: {}}, ValueError, r"op_kwargs key -6 is out of range"),
+    ("plain nn.Module by index", lambda s: {3: {}}, ValueError, r"index 3 names Tanh .* not a fusible op"),
+    ("plain nn.Module by object", lambda s: {s[3]: {}}, ValueError, r"Tanh .* not a fusible op"),
+    ("same op twice", lambda s: {s[2]: {}, -3: {}}, ValueError, r"gives op 2 \(GroupedLinear\) twice"),
+    (
+        "string key",
+        lambda s: {"fc2": {}},
+        ValueError,
+        r"key 'fc2' must be a module of this Sequential or an int",
+    ),
+    (
+        "misspelled kwarg",
+        lambda s: {2: {"outptu": torch.empty(ROWS, HIDDEN)}},
+        TypeError,
+        r"GroupedLinear got unexpected kwarg\(s\) \['outptu'\]; it accepts \['grad_input', 'output'\]",
+    ),
+    (
+        "kwarg on an op without kwargs",
+        lambda s: {1: {"output": None}},
+        TypeError,
+        r"ScaledSwiGLU got unexpected",
+    ),
+    ("non-mapping value", lambda s: {0: [1, 2]}, TypeError, r"value for index 0 must be a mapping"),
+    ("non-mapping op_kwargs", lambda s: [(0, {})], TypeError, r"op_kwargs must be a mapping"),
+]
+
+
+def block_with_plain_module() -> fo.Sequential:
+    # fused group [0..2], plain torch module 3, basic op 4
+    return fo.Sequential(*expert_block(), torch.nn.Tanh(), fo.ReLU())
+
+
+@pytest.mark.parametrize("case", OP_KWARGS_ERRORS, ids=[c[0] for c in OP_KWARGS_ERRORS])
+def test_op_kwargs_errors(case):
+    _, build, error, message = case
+    seq = block_with_plain_module()
+    x, probs = block_inputs()
+    with torch.no_grad():
+        expected = seq(x, SPLITS, probs, SPLITS)
+    weights = [p.detach().clone() for p in seq.parameters()]
+    with pytest.raises(error, match=message):
+        seq(x, SPLITS, probs, SPLITS, op_kwargs=build(seq))
+    with pytest.raises(error, match=message):
+        seq.explain(x, SPLITS, probs, SPLITS, op_kwargs=build(seq))
+    assert all(torch.equal(p, w) for p, w in zip(seq.parameters(), weights))
+    assert x.grad is None
+    # a valid call on the same Sequential still works and gives the same result
+    buf = torch.empty(ROWS, HIDDEN)
+    out = seq(x, SPLITS, probs, SPLITS, op_kwargs={-3: {fo.OUTPUT_BUFFER_KEY: buf}})
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 4])
+def test_wrong_number_of_extra_inputs(count):
+    seq = expert_block()
+    x, probs = block_inputs()
+    extras = [SPLITS, probs, SPLITS, probs, SPLITS][:count]
+    with pytest.raises(ValueError, match=rf"expected 3 extra input\(s\) .*ScaledSwiGLU takes 1.*got {count}"):
+        seq(x, *extras)
+    assert seq(x, SPLITS, probs, SPLITS).shape == (ROWS, HIDDEN)
+    with pytest.raises(ValueError, match="no op takes any"):
+        fo.Sequential(fo.ReLU(), torch.nn.Tanh())(x, probs)
+
+
+def test_extra_inputs_reach_the_right_ops_across_plain_modules():
+    # plain modules get only the main tensor; extra inputs skip them and go to ops in order
+    fc1 = fo.GroupedLinear(2, 4, 6, dtype=torch.float64)
+    fc2 = fo.GroupedLinear(2, 3, 5, dtype=torch.float64)
+    seq = fo.Sequential(fc1, torch.nn.Tanh(), fo.ScaledSwiGLU(), torch.nn.Identity(), fc2, fo.Scale())
+    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    splits1, splits2 = [3, 4], [7, 0]
+    out = seq(x, splits1, probs, splits2, weights)
+    h = ref.grouped_linear(x.detach(), fc1.weight.detach(), None, splits1).tanh()
+    h = ref.activation("swiglu", h) * probs.detach()[:, None]
+    expected = ref.grouped_linear(h, fc2.weight.detach(), None, splits2) * weights.detach()[:, None]
+    torch.testing.assert_close(out, expected)
+    assert torch.autograd.gradcheck(lambda x, p, w: seq(x, splits1, p, splits2, w), (x, probs, weights))
+    plan = seq.explain(x, splits1, probs, splits2, weights)
+    assert [g if isinstance(g, str) else len(g.op_names) for g in plan.groups] == [
+        1,
+        "Tanh",
+        1,
+        "Identity",
+        2,
+    ]
+
+
+# ---------------------------------------------------------------- container protocol
+
+
+def test_container_protocol():
+    a, b, c = fo.ReLU(), fo.ConstantScale(2.0), fo.SiLU()
+    seq = fo.Sequential(a, b)
+    assert len(seq) == 2 and seq[0] is a and seq[-1] is b and list(seq) == [a, b]
+    with pytest.raises(IndexError):
+        seq[2]
+    seq.append(c)
+    assert list(seq) == [a, b, c]
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(seq(x), torch.nn.functional.silu(2 * torch.relu(x)))
+
+    d = fo.ConstantScale(-1.0)
+    seq.insert(0, d)
+    assert list(seq) == [d, a, b, c]
+    torch.testing.assert_close(seq(x), torch.nn.functional.silu(2 * torch.relu(-x)))  # regrouped
+    e, f = fo.Identity(), fo.ConstantScale(3.0)
+    seq.extend([e, f])
+    assert len(seq) == 6 and seq[-1] is f
+    torch.testing.assert_close(seq(x), 3 * torch.nn.functional.silu(2 * torch.relu(-x)))
+
+    sub = seq[1:3]
+    assert isinstance(sub, fo.Sequential) and list(sub) == [a, b]
+    torch.testing.assert_close(sub(x), 2 * torch.relu(x))
+    assert sub[0] is a  # slicing shares modules (and parameters)
+
+    del seq[0]
+    assert list(seq) == [a, b, c, e, f]
+    seq[1] = fo.ConstantScale(5.0)
+    torch.testing.assert_close(seq(x), 3 * torch.nn.functional.silu(5 * torch.relu(x)))
+    assert seq.pop() is f and len(seq) == 4
+    with pytest.raises(TypeError, match="not an nn.Module"):
+        seq.append(lambda t: t)
+
+
+def test_op_kwargs_index_follows_insertion():
+    seq = expert_block()
+    x, probs = block_inputs()
+    expected = seq(x, SPLITS, probs, SPLITS)
+    seq.insert(0, fo.Identity())  # fc2 moves from index 2 to 3
+    buf = torch.empty(ROWS, HIDDEN)
+    out = seq(x, SPLITS, probs, SPLITS, op_kwargs={3: {fo.OUTPUT_BUFFER_KEY: buf}})
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, expected)
+    with pytest.raises(TypeError, match="ScaledSwiGLU"):
+        seq(x, SPLITS, probs, SPLITS, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: buf}})
+
+
+def test_state_dict_and_module_registration():
+    seq = expert_block()
+    assert set(seq.state_dict()) == {"0.weight", "2.weight"}
+    assert len(list(seq.parameters())) == 2
+    clone = expert_block()
+    clone.load_state_dict(seq.state_dict())
+    x, probs = block_inputs()
+    assert torch.equal(clone(x, SPLITS, probs, SPLITS), seq(x, SPLITS, probs, SPLITS))
+
+
+def test_linear_composite_matches_torch_linear():
+    lin = fo.Linear(5, 3, dtype=torch.float64)
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert set(lin.state_dict()) == {"0.weight", "1.bias"}
+    assert torch.autograd.gradcheck(lin, (x,))
