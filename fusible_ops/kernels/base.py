@@ -87,11 +87,12 @@ class GroupedGemmBackend:
         self, grad_out: torch.Tensor, split_sizes: list[int] | None, offsets: torch.Tensor, num_groups: int
     ) -> torch.Tensor:
         """``[G, N]`` per-group column sums of ``grad_out`` (fp32 accumulation)."""
+        # rows past offsets[-1] get group id G: they land in an extra bin that is dropped
         group_ids = group_ids_from_offsets(offsets, grad_out.shape[0])
         acc_dtype = torch.promote_types(grad_out.dtype, torch.float32)
-        acc = torch.zeros(num_groups, grad_out.shape[-1], dtype=acc_dtype, device=grad_out.device)
+        acc = torch.zeros(num_groups + 1, grad_out.shape[-1], dtype=acc_dtype, device=grad_out.device)
         acc.index_add_(0, group_ids, grad_out.to(acc_dtype))
-        return acc.to(grad_out.dtype)
+        return acc[:num_groups].to(grad_out.dtype)
 
     # ------------------------------------------------------------ fused entry points
     def fc1_fprop_act(

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# GPU check for the Triton backend. Needs no network: only this checkout, torch and triton.
+#
+#   benchmarks/gpu_check.sh [OUT_DIR]        (default: $OUT, else ./gpu_check_results)
+#
+# Writes into OUT_DIR:
+#   env.txt                   date, GPU name and capability, torch / triton / CUDA versions
+#   triton_tests.log/.xml     tests/test_triton_backend.py compiled on the GPU (bf16, fp16,
+#                             no-host-sync, CUDA graph, autotune cache)
+#   info.log                  python -m fusible_ops info
+#   bench_default.log/.json   bench at the default shape, fused path forced to backend "triton"
+#   bench_large.log/.json     bench at 8 experts, hidden 4096, ffn 14336, 32768 rows
+#   cuda_suite.log/.xml       the whole test suite on this machine (last: it may take longest)
+#   summary.txt               one line per step with its exit status
+# Exit status: 0 when every step passed.
+#
+# Environment knobs: GPU_CHECK_REPEATS (bench rounds, default 10),
+# GPU_CHECK_SUITE_TIMEOUT (seconds for the whole suite, default 420),
+# GPU_CHECK_SKIP_SUITE=1 (skip the whole-suite step).
+set -u -o pipefail
+
+OUT_DIR="${1:-${OUT:-gpu_check_results}}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+cd "$(dirname "$0")/.."
+
+unset TRITON_INTERPRET  # compiled kernels: the interpreter would run CUDA tensors on the host
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
+REPEATS="${GPU_CHECK_REPEATS:-10}"
+SUITE_TIMEOUT="${GPU_CHECK_SUITE_TIMEOUT:-420}"
+status=0
+: > "$OUT_DIR/summary.txt"
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc (${limit}s limit, took $((SECONDS - start))s)" | tee -a "$OUT_DIR/summary.txt"
+    tail -n 25 "$OUT_DIR/$name.log"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv 2>&1 || true
+    python - <<'EOF'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as error:
+    print("triton missing:", error)
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+else:
+    print("CUDA is not available")
+EOF
+} > "$OUT_DIR/env.txt" 2>&1
+cat "$OUT_DIR/env.txt"
+
+step triton_tests 600 python -m pytest -q -p no:cacheprovider -rs tests/test_triton_backend.py \
+    --junitxml="$OUT_DIR/triton_tests.xml"
+step info 120 python -m fusible_ops info
+
+# The bench's "fused" variant runs with the backend forced to "triton" (grouped_mm and
+# dense are independent of the backend setting).
+bench() {  # bench NAME [shape flags...]
+    local name=$1
+    shift
+    step "$name" 900 python -c '
+import sys
+import fusible_ops as fo
+from fusible_ops.__main__ import main
+with fo.settings(backend="triton"):
+    sys.exit(main(sys.argv[1:]))
+' bench --device cuda --repeats "$REPEATS" --json "$OUT_DIR/$name.json" "$@"
+}
+bench bench_default
+bench bench_large --experts 8 --hidden 4096 --ffn 14336 --rows 32768
+
+if [ "${GPU_CHECK_SKIP_SUITE:-0}" != "1" ]; then
+    step cuda_suite "$SUITE_TIMEOUT" python -m pytest -q -p no:cacheprovider -rs tests \
+        --junitxml="$OUT_DIR/cuda_suite.xml"
+fi
+
+echo "results in $OUT_DIR (status $status)"
+exit "$status"

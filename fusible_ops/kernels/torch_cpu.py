@@ -1,0 +1,253 @@
+"""CPU backend tuned for bf16/fp32 on oneDNN (``torch.mm``), with the activation fused by row blocks.
+
+Measured on the development machine (see ``docs/benchmarks-cpu-kernels.md`` and
+``benchmarks/cpu_gemm_candidates.py``):
+
+- per-group ``torch.mm(..., out=slice)`` runs at the speed of one dense ``torch.mm``
+  of the same total size, and writes caller buffers with no copy; operand transposes
+  (pre-transposed weights, contiguous ``grad_out.T`` for wgrad) did not pay for
+  their copy, so the GEMMs are the ones of :class:`TorchLoopBackend`;
+- the activation passes are the part worth fusing: on full ``[M, 2F]`` tensors every
+  eager op streams through DRAM and page-faults its fresh temporaries; processed in
+  blocks of ``row_block`` rows the temporaries stay in L2 and are reused by the
+  allocator. FC2's dgrad runs per block too, so ``grad_act`` never exists in full.
+  SwiGLU (gate-first halves) has a hand-written pass with fewer temporaries; every
+  other activation runs the reference math of :mod:`.activation` block by block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activation import ActivationSpec, activation_backward, activation_forward
+from .grouped_checks import check_operands, check_weight
+from .torch_loop import TorchLoopBackend
+
+
+def _blocks(start: int, end: int, block: int):
+    for s in range(start, end, block):
+        yield s, min(s + block, end)
+
+
+def _swiglu_forward_block(pre: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = silu(gate) * linear (* scales)`` for one row block, gate-first halves."""
+    n = pre.shape[-1] // 2
+    act = torch.nn.functional.silu(pre[:, :n]).mul_(pre[:, n:])
+    if scales is None:
+        out.copy_(act)
+    else:
+        torch.mul(act, scales.to(act.dtype).unsqueeze(-1), out=out)
+
+
+def _grad_scales_block(act: torch.Tensor, grad_out: torch.Tensor, grad_scales: torch.Tensor) -> None:
+    """Row-wise ``sum(act * grad_out)``: products in the compute dtype, sums in fp32 (fp64 stays fp64)."""
+    acc = torch.float64 if act.dtype == torch.float64 else torch.float32
+    if grad_scales.dtype == acc:
+        torch.sum(act * grad_out, dim=-1, dtype=acc, out=grad_scales)
+    else:
+        grad_scales.copy_((act * grad_out).sum(-1, dtype=acc))
+
+
+def _swiglu_backward_block(
+    pre: torch.Tensor,
+    scales: torch.Tensor | None,
+    grad_out: torch.Tensor,
+    grad_pre: torch.Tensor,
+    grad_scales: torch.Tensor | None,
+    act_out: torch.Tensor,
+) -> None:
+    """SwiGLU backward for one row block; also writes the recomputed (scaled) activation.
+
+    ``grad_out`` may be the same memory as ``act_out``: it is fully read before
+    ``act_out`` is written.
+    """
+    n = pre.shape[-1] // 2
+    gate, linear = pre[:, :n], pre[:, n:]
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    act = silu * linear
+    if scales is None:
+        grad_act = grad_out
+    else:
+        scale_col = scales.to(act.dtype).unsqueeze(-1)
+        _grad_scales_block(act, grad_out, grad_scales)
+        grad_act = grad_out * scale_col
+    torch.mul(grad_act, silu, out=grad_pre[:, n:])
+    # d silu / d gate = sig + silu * (1 - sig); times linear for the gate's gradient
+    dsilu = silu.addcmul_(silu, sig, value=-1).add_(sig).mul_(linear)
+    torch.mul(grad_act, dsilu, out=grad_pre[:, :n])
+    if scales is None:
+        act_out.copy_(act)
+    else:
+        torch.mul(act, scale_col, out=act_out)
+
+
+def _generic_forward_block(
+    spec: ActivationSpec, pre: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    act = activation_forward(spec, pre)
+    if scales is None:
+        out.copy_(act)
+    else:
+        torch.mul(act, scales.to(act.dtype).unsqueeze(-1), out=out)
+
+
+def _generic_backward_block(
+    spec: ActivationSpec,
+    pre: torch.Tensor,
+    scales: torch.Tensor | None,
+    grad_out: torch.Tensor,
+    grad_pre: torch.Tensor,
+    grad_scales: torch.Tensor | None,
+    act_out: torch.Tensor,
+) -> None:
+    """Reference activation math for one row block; ``grad_out`` may alias ``act_out``."""
+    act = activation_forward(spec, pre)
+    if scales is None:
+        grad_act = grad_out
+    else:
+        scale_col = scales.to(act.dtype).unsqueeze(-1)
+        _grad_scales_block(act, grad_out, grad_scales)
+        grad_act = grad_out * scale_col
+    grad_pre.copy_(activation_backward(spec, pre, grad_act))
+    if scales is None:
+        act_out.copy_(act)
+    else:
+        torch.mul(act, scale_col, out=act_out)
+
+
+class TorchCpuBackend(TorchLoopBackend):
+    """Per-group oneDNN GEMMs into ``out`` slices, activation+scale fused by row blocks."""
+
+    name = "cpu"
+    description = "per-group torch.mm (oneDNN) into out slices, activation+scale fused in L2-sized row blocks"
+    fused_activation = True
+    writes_in_place = True
+    #: rows per activation block; 256 rows x 2816 bf16 columns is 1.4 MB (fits a 2 MB L2)
+    row_block: int = 256
+
+    def probe(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if torch.device(device).type != "cpu":
+            return f"{self.name}: only runs on CPU tensors, not {torch.device(device).type}"
+        if not dtype.is_floating_point:
+            return f"{self.name}: dtype {dtype} is not a floating-point dtype"
+        return None
+
+    # ------------------------------------------------------------ fused entry points
+    def fc1_fprop_act(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        split_sizes: list[int] | None,
+        offsets: torch.Tensor,
+        activation: ActivationSpec,
+        scales: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FC1 then ``act(pre) * scales``: ``x [M, K] -> (pre [M, N], act [M, N or N/2])``."""
+        where = f"{self.name}.fc1_fprop_act"
+        self._check_act_inputs(where, activation, weight.shape[1], scales, x.shape[0], x.device)
+        pre = self.fprop(x, weight, split_sizes, offsets, bias=bias)
+        act = torch.empty(
+            pre.shape[0], activation.output_features(pre.shape[1]), dtype=pre.dtype, device=pre.device
+        )
+        fast = self._is_fast_swiglu(activation)
+        for s, e in _blocks(0, pre.shape[0], self.row_block):
+            block_scales = None if scales is None else scales[s:e]
+            if fast:
+                _swiglu_forward_block(pre[s:e], block_scales, act[s:e])
+            else:
+                _generic_forward_block(activation, pre[s:e], block_scales, act[s:e])
+        return pre, act
+
+    def fc2_dgrad_act(
+        self,
+        grad_y: torch.Tensor,
+        weight: torch.Tensor,
+        pre: torch.Tensor,
+        split_sizes: list[int] | None,
+        offsets: torch.Tensor,
+        activation: ActivationSpec,
+        scales: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """FC2 dgrad fused with the activation backward, block by block.
+
+        ``grad_y [M, H]``, ``weight [G, H, F]``, ``pre [M, N]`` -> ``(grad_pre [M, N],
+        grad_scales [M] or None, act [M, F])``; ``act`` is the recomputed FC2 input.
+        """
+        where = f"{self.name}.fc2_dgrad_act"
+        groups = check_operands(
+            where, grad_y, weight, split_sizes, offsets, lhs_name="grad_y", rhs_name="weight"
+        )
+        check_weight(where, weight, groups)
+        if grad_y.shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"{where}: grad_y has {grad_y.shape[1]} features but weight has {weight.shape[1]} outputs"
+            )
+        rows, act_features = grad_y.shape[0], weight.shape[2]
+        if pre.dim() != 2 or pre.shape[0] != rows or pre.dtype != grad_y.dtype:
+            raise ValueError(
+                f"{where}: pre must be [{rows}, *] of {grad_y.dtype}, got {tuple(pre.shape)} {pre.dtype}"
+            )
+        if activation.output_features(pre.shape[1]) != act_features:
+            raise ValueError(
+                f"{where}: {activation.kind} of pre's {pre.shape[1]} features gives "
+                f"{activation.output_features(pre.shape[1])}, but weight expects {act_features}"
+            )
+        self._check_act_inputs(where, activation, pre.shape[1], scales, rows, grad_y.device)
+        sizes = self._sizes(where, split_sizes, offsets, grad_y)
+
+        grad_pre = torch.empty_like(pre, memory_format=torch.contiguous_format)
+        act = torch.empty(rows, act_features, dtype=pre.dtype, device=pre.device)
+        grad_scales = None if scales is None else torch.empty(rows, dtype=scales.dtype, device=scales.device)
+        covered = sum(sizes)
+        if covered < rows:
+            grad_pre[covered:].zero_()
+            act[covered:].zero_()
+            if grad_scales is not None:
+                grad_scales[covered:].zero_()
+        # grad_act is computed into act's memory with whole-group GEMMs; each row block
+        # reads it and then overwrites it with the recomputed activation (no [M, F] temporary).
+        self.dgrad(grad_y, weight, sizes, offsets, out=act)
+        fast = self._is_fast_swiglu(activation)
+        for s, e in _blocks(0, covered, self.row_block):
+            block_scales = None if scales is None else scales[s:e]
+            block_grad_scales = None if grad_scales is None else grad_scales[s:e]
+            if fast:
+                _swiglu_backward_block(
+                    pre[s:e], block_scales, act[s:e], grad_pre[s:e], block_grad_scales, act[s:e]
+                )
+            else:
+                _generic_backward_block(
+                    activation, pre[s:e], block_scales, act[s:e], grad_pre[s:e], block_grad_scales, act[s:e]
+                )
+        return grad_pre, grad_scales, act
+
+    # ------------------------------------------------------------ helpers
+    @staticmethod
+    def _is_fast_swiglu(activation: ActivationSpec) -> bool:
+        return activation.kind == "swiglu" and activation.glu_interleave_size is None
+
+    @staticmethod
+    def _check_act_inputs(
+        where: str,
+        activation: ActivationSpec,
+        pre_features: int,
+        scales: torch.Tensor | None,
+        rows: int,
+        device: torch.device,
+    ) -> None:
+        if activation.gated:
+            block = 2 * (activation.glu_interleave_size or 1)
+            if pre_features % block:
+                raise ValueError(
+                    f"{where}: {activation.kind} needs the pre-activation width ({pre_features}) "
+                    f"to be a multiple of {block}"
+                )
+        if scales is not None:
+            if scales.dim() != 1 or scales.shape[0] != rows:
+                raise ValueError(f"{where}: scales must be [{rows}], got shape {tuple(scales.shape)}")
+            if not scales.is_floating_point():
+                raise TypeError(f"{where}: scales must be floating point, got {scales.dtype}")
+            if scales.device != device:
+                raise ValueError(f"{where}: scales are on {scales.device} but the input is on {device}")

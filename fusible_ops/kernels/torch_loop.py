@@ -1,0 +1,171 @@
+"""The safe fallback backend: a per-group loop of ``torch.mm`` / ``torch.addmm``.
+
+Works for every floating dtype (float64 included), every device and any strides, because
+each group is one ordinary ``torch.mm`` call writing into a row slice of ``out``.
+It needs the split sizes on the host: when given ``split_sizes=None`` it reads
+``offsets.tolist()``, which **synchronises with the device** on CUDA. Use it where
+``torch._grouped_mm`` refuses the dtype or layout, and as the reference the other
+backends are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import GroupedGemmBackend
+from .grouped_checks import (
+    check_bias,
+    check_operands,
+    check_out,
+    check_weight,
+    host_split_sizes,
+)
+
+
+def _row_ranges(split_sizes: list[int]) -> list[tuple[int, int, int]]:
+    """``(group, start, end)`` for every group that owns at least one row."""
+    ranges = []
+    start = 0
+    for group, size in enumerate(split_sizes):
+        if size:
+            ranges.append((group, start, start + size))
+        start += size
+    return ranges
+
+
+class TorchLoopBackend(GroupedGemmBackend):
+    """One ``torch.mm`` per non-empty group, written into ``out`` slices (no copy)."""
+
+    name = "torch_loop"
+    description = (
+        "per-group torch.mm loop; any float dtype, device and strides; host sync when splits unknown"
+    )
+    fused_activation = False
+    writes_in_place = True
+
+    def probe(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if not dtype.is_floating_point:
+            return f"{self.name}: dtype {dtype} is not a floating-point dtype"
+        return None
+
+    def fprop(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        split_sizes: list[int] | None,
+        offsets: torch.Tensor,
+        *,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``: ``[M, K] -> [M, N]``."""
+        where = f"{self.name}.fprop"
+        groups = check_operands(where, x, weight, split_sizes, offsets, lhs_name="x", rhs_name="weight")
+        check_weight(where, weight, groups)
+        n_out, k_in = weight.shape[1], weight.shape[2]
+        if x.shape[1] != k_in:
+            raise ValueError(f"{where}: x has {x.shape[1]} features but weight expects {k_in}")
+        check_bias(where, bias, groups, n_out, x.dtype)
+        check_out(where, out, (x.shape[0], n_out), x.dtype, x.device)
+        sizes = self._sizes(where, split_sizes, offsets, x)
+        if out is None:
+            out = self._alloc_rows(x.shape[0], n_out, sizes, x)
+        for g, start, end in _row_ranges(sizes):
+            if bias is None:
+                torch.mm(x[start:end], weight[g].t(), out=out[start:end])
+            else:
+                torch.addmm(bias[g], x[start:end], weight[g].t(), out=out[start:end])
+        return out
+
+    def dgrad(
+        self,
+        grad_out: torch.Tensor,
+        weight: torch.Tensor,
+        split_sizes: list[int] | None,
+        offsets: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out[rows_g] = grad_out[rows_g] @ weight[g]``: ``[M, N] -> [M, K]``."""
+        where = f"{self.name}.dgrad"
+        groups = check_operands(
+            where, grad_out, weight, split_sizes, offsets, lhs_name="grad_out", rhs_name="weight"
+        )
+        check_weight(where, weight, groups)
+        if grad_out.shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"{where}: grad_out has {grad_out.shape[1]} features but weight has {weight.shape[1]} outputs"
+            )
+        k_in = weight.shape[2]
+        check_out(where, out, (grad_out.shape[0], k_in), grad_out.dtype, grad_out.device)
+        sizes = self._sizes(where, split_sizes, offsets, grad_out)
+        if out is None:
+            out = self._alloc_rows(grad_out.shape[0], k_in, sizes, grad_out)
+        for g, start, end in _row_ranges(sizes):
+            torch.mm(grad_out[start:end], weight[g], out=out[start:end])
+        return out
+
+    def wgrad(
+        self,
+        grad_out: torch.Tensor,
+        x: torch.Tensor,
+        split_sizes: list[int] | None,
+        offsets: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out[g] = grad_out[rows_g].T @ x[rows_g]``: ``[G, N, K]``, zeros for empty groups."""
+        where = f"{self.name}.wgrad"
+        groups = check_operands(where, grad_out, x, split_sizes, offsets, lhs_name="grad_out", rhs_name="x")
+        if x.dim() != 2 or x.shape[0] != grad_out.shape[0]:
+            raise ValueError(
+                f"{where}: x must be [{grad_out.shape[0]}, in] like grad_out's rows, got {tuple(x.shape)}"
+            )
+        shape = (groups, grad_out.shape[1], x.shape[1])
+        check_out(where, out, shape, x.dtype, x.device)
+        sizes = self._sizes(where, split_sizes, offsets, x)
+        if out is None:
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        start = 0
+        for g, size in enumerate(sizes):
+            if size:
+                torch.mm(grad_out[start : start + size].t(), x[start : start + size], out=out[g])
+            else:
+                out[g].zero_()
+            start += size
+        return out
+
+    def bias_grad(
+        self, grad_out: torch.Tensor, split_sizes: list[int] | None, offsets: torch.Tensor, num_groups: int
+    ) -> torch.Tensor:
+        """``[G, N]`` per-group column sums of ``grad_out``, accumulated in fp32 (fp64 stays fp64)."""
+        where = f"{self.name}.bias_grad"
+        if grad_out.dim() != 2:
+            raise ValueError(f"{where}: grad_out must be 2-D, got shape {tuple(grad_out.shape)}")
+        if offsets.shape[0] != num_groups:
+            raise ValueError(f"{where}: offsets has {offsets.shape[0]} entries for {num_groups} groups")
+        sizes = self._sizes(where, split_sizes, offsets, grad_out)
+        acc_dtype = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+        acc = torch.zeros(num_groups, grad_out.shape[1], dtype=acc_dtype, device=grad_out.device)
+        for g, start, end in _row_ranges(sizes):
+            torch.sum(grad_out[start:end], dim=0, dtype=acc_dtype, out=acc[g])
+        return acc.to(grad_out.dtype)
+
+    # ------------------------------------------------------------ helpers
+    @staticmethod
+    def _sizes(
+        where: str, split_sizes: list[int] | None, offsets: torch.Tensor, rows: torch.Tensor
+    ) -> list[int]:
+        sizes = host_split_sizes(split_sizes, offsets)
+        if split_sizes is None and sum(sizes) > rows.shape[0]:
+            raise ValueError(f"{where}: offsets end at {sum(sizes)} but the input has {rows.shape[0]} rows")
+        return sizes
+
+    @staticmethod
+    def _alloc_rows(rows: int, cols: int, sizes: list[int], like: torch.Tensor) -> torch.Tensor:
+        """``[rows, cols]``; rows past the last group (not computed) are zeros, not garbage."""
+        out = torch.empty(rows, cols, dtype=like.dtype, device=like.device)
+        covered = sum(sizes)
+        if covered < rows:
+            out[covered:].zero_()
+        return out

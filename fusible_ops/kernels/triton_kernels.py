@@ -1,0 +1,718 @@
+"""Triton kernels for the grouped MLP: grouped GEMMs with device-resident row offsets.
+
+Imported only from inside :class:`~fusible_ops.kernels.triton_backend.TritonBackend`
+methods, never at package import. Whether these kernels are compiled for the GPU or run
+by Triton's interpreter is decided by Triton when this module (and Triton itself) is
+first imported: ``TRITON_INTERPRET=1`` must be set before that (see :data:`INTERPRETED`).
+
+Shapes (``G`` groups, ``M`` rows): group ``g`` owns rows ``offsets[g-1]:offsets[g]``
+(``offsets`` is an inclusive cumulative sum on the device). No launcher reads
+``offsets`` on the host, so every launch is free of host syncs and CUDA-graph
+capturable (once autotuning has run for the shape, or with autotuning off).
+
+Tile schedule: the row tiles of all groups are enumerated in one grid axis of
+``cdiv(M, BLOCK_M) + G + 1`` entries (an upper bound on the number of tiles, since each
+group wastes at most one partial tile). Each program finds its group from the offsets
+with a vectorised cumulative sum; programs past the last tile exit at once. Rows in
+``[offsets[-1], M)`` form a pseudo-group ``G`` ("the tail"): freshly allocated outputs
+get zeros there; caller buffers are never written there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from .activation import ActivationSpec
+
+# Activation codes (constexpr in the kernels).
+_ACT_CODES = {
+    "relu": 0,
+    "gelu": 1,
+    "silu": 2,
+    "srelu": 3,
+    "swiglu": 4,
+    "geglu": 5,
+    "reglu": 6,
+    "clamped_swiglu": 7,
+}
+
+# ---------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _unary_fwd(x, KIND: tl.constexpr):
+    """relu / gelu (tanh) / silu / squared relu of fp32 ``x``; KIND uses the unary codes."""
+    if KIND == 0:
+        y = tl.maximum(x, 0.0)
+    elif KIND == 1:
+        y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif KIND == 2:
+        y = x * tl.sigmoid(x)
+    else:
+        r = tl.maximum(x, 0.0)
+        y = r * r
+    return y
+
+
+@triton.jit
+def _unary_grad(x, KIND: tl.constexpr):
+    """Derivative of :func:`_unary_fwd` at ``x``."""
+    if KIND == 0:
+        d = tl.where(x > 0.0, 1.0, 0.0)
+    elif KIND == 1:
+        t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        dinner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+        d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
+    elif KIND == 2:
+        s = tl.sigmoid(x)
+        d = s * (1.0 + x * (1.0 - s))
+    else:
+        d = 2.0 * tl.maximum(x, 0.0)
+    return d
+
+
+@triton.jit
+def _glu_gate(gate, KIND: tl.constexpr):
+    """``(f(gate), f'(gate))`` for the gate function of swiglu (silu), geglu (gelu), reglu (relu)."""
+    if KIND == 4:
+        f = _unary_fwd(gate, 2)
+        df = _unary_grad(gate, 2)
+    elif KIND == 5:
+        f = _unary_fwd(gate, 1)
+        df = _unary_grad(gate, 1)
+    else:
+        f = _unary_fwd(gate, 0)
+        df = _unary_grad(gate, 0)
+    return f, df
+
+
+@triton.jit
+def _act_fwd(gate, lin, limit, alpha, glu_offset, KIND: tl.constexpr):
+    """Activation of fp32 tiles; ``lin`` is ignored for the unary kinds (KIND < 4)."""
+    if KIND < 4:
+        y = _unary_fwd(gate, KIND)
+    elif KIND == 7:
+        g = tl.minimum(gate, limit)
+        l = tl.minimum(tl.maximum(lin, -limit), limit)  # noqa: E741
+        y = g * tl.sigmoid(alpha * g) * (l + glu_offset)
+    else:
+        f, _ = _glu_gate(gate, KIND)
+        y = f * lin
+    return y
+
+
+@triton.jit
+def _act_bwd(gate, lin, grad, limit, alpha, glu_offset, KIND: tl.constexpr):
+    """Returns ``(act, grad_gate, grad_lin)`` for fp32 tiles; ``grad_lin`` is 0 for unary kinds."""
+    if KIND < 4:
+        act = _unary_fwd(gate, KIND)
+        grad_gate = grad * _unary_grad(gate, KIND)
+        grad_lin = grad * 0.0
+    elif KIND == 7:
+        g = tl.minimum(gate, limit)
+        l = tl.minimum(tl.maximum(lin, -limit), limit)  # noqa: E741
+        sig = tl.sigmoid(alpha * g)
+        glu = g * sig
+        act = glu * (l + glu_offset)
+        dglu = sig * (1.0 + alpha * g * (1.0 - sig))
+        grad_gate = tl.where(gate <= limit, grad * (l + glu_offset) * dglu, 0.0)
+        grad_lin = tl.where((lin >= -limit) & (lin <= limit), grad * glu, 0.0)
+    else:
+        f, df = _glu_gate(gate, KIND)
+        act = f * lin
+        grad_gate = grad * lin * df
+        grad_lin = grad * f
+    return act, grad_gate, grad_lin
+
+
+@triton.jit
+def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Map a 1-D program id to (row tile, column tile), GROUP_M row tiles at a time (L2 reuse)."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _row_tile(tile, offsets_ptr, G, M, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Group and row range of row tile ``tile``: ``(group, row_start, row_end)``.
+
+    ``group == G`` is the tail ``[offsets[-1], M)``; ``group > G`` means past the last tile.
+    Offsets are clamped to ``[0, M]`` so malformed offsets cannot address memory out of range.
+    """
+    g = tl.arange(0, BLOCK_G)
+    ends = tl.load(offsets_ptr + g, mask=g < G, other=0).to(tl.int32)
+    starts = tl.load(offsets_ptr + g - 1, mask=(g > 0) & (g < G), other=0).to(tl.int32)
+    last = tl.load(offsets_ptr + G - 1).to(tl.int32)
+    ends = tl.where(g == G, M, ends)
+    starts = tl.where(g == G, last, starts)
+    ends = tl.minimum(tl.maximum(ends, 0), M)
+    starts = tl.minimum(tl.maximum(starts, 0), M)
+    counts = tl.maximum(ends - starts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(tiles, 0)
+    group = tl.sum((cum <= tile).to(tl.int32), 0)
+    sel = g == group
+    first_tile = tl.sum(tl.where(sel, cum - tiles, 0), 0)
+    row_start = tl.sum(tl.where(sel, starts, 0), 0) + (tile - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(sel, ends, 0), 0)
+    return group, row_start, row_end
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, offsets_ptr,
+    M, R, J, G, M_BUCKET,
+    stride_am, stride_ar,
+    stride_bg, stride_br, stride_bj,
+    stride_biasg, stride_biasj,
+    stride_cm, stride_cj,
+    HAS_BIAS: tl.constexpr, ZERO_TAIL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """``c[rows_g] = a[rows_g] @ b[g] (+ bias[g])`` with ``a [M, R]``, ``b [G, R, J]``, ``c [M, J]``."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M) + G + 1
+    num_pid_n = tl.cdiv(J, BLOCK_N)
+    pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
+    group, row_start, row_end = _row_tile(pid_m, offsets_ptr, G, M, BLOCK_M, BLOCK_G)
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rows < row_end
+    mask_j = cols < J
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cj
+    c_mask = mask_m[:, None] & mask_j[None, :]
+    if group < G:
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ar
+        b_ptrs = b_ptr + group.to(tl.int64) * stride_bg + ks[:, None] * stride_br + cols[None, :] * stride_bj
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, R, BLOCK_K):
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (ks[None, :] < R - k0), other=0.0)
+            b = tl.load(b_ptrs, mask=(ks[:, None] < R - k0) & mask_j[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ar
+            b_ptrs += BLOCK_K * stride_br
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + group * stride_biasg + cols * stride_biasj, mask=mask_j, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    elif group == G:
+        if ZERO_TAIL:
+            tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _gated_columns(cols, N_ACT, GATED: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Columns of the gate and linear parts in the ``[.., 2n]`` pre-activation for act columns ``cols``."""
+    if GATED:
+        if INTERLEAVE == 0:
+            gate_cols = cols
+            lin_cols = cols + N_ACT
+        else:
+            gate_cols = (cols // INTERLEAVE) * (2 * INTERLEAVE) + cols % INTERLEAVE
+            lin_cols = gate_cols + INTERLEAVE
+    else:
+        gate_cols = cols
+        lin_cols = cols
+    return gate_cols, lin_cols
+
+
+@triton.jit
+def _fc1_act_kernel(
+    x_ptr, w_ptr, bias_ptr, scales_ptr, pre_ptr, act_ptr, offsets_ptr,
+    M, N_ACT, K, G, M_BUCKET,
+    limit, alpha, glu_offset,
+    stride_xm, stride_xk,
+    stride_wg, stride_wn, stride_wk,
+    stride_biasg, stride_biasn,
+    stride_s,
+    stride_pm, stride_pn,
+    stride_actm, stride_actn,
+    KIND: tl.constexpr, GATED: tl.constexpr, INTERLEAVE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """``pre = x @ w[g].T (+ bias[g])`` and ``act = act(pre) * scales[:, None]``.
+
+    ``x [M, K]``, ``w [G, N_pre, K]``, ``pre [M, N_pre]``, ``act [M, N_ACT]`` with
+    ``N_pre = 2 * N_ACT`` for gated kinds. Each program owns ``BLOCK_N`` activation
+    columns and accumulates the matching gate and linear columns side by side, so the
+    activation runs in the epilogue. The activation reads ``pre`` rounded to its dtype,
+    exactly what the backward pass will recompute it from.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M) + G + 1
+    num_pid_n = tl.cdiv(N_ACT, BLOCK_N)
+    pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
+    group, row_start, row_end = _row_tile(pid_m, offsets_ptr, G, M, BLOCK_M, BLOCK_G)
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rows < row_end
+    mask_j = cols < N_ACT
+    mask = mask_m[:, None] & mask_j[None, :]
+    gate_cols, lin_cols = _gated_columns(cols, N_ACT, GATED, INTERLEAVE)
+    rows64 = rows[:, None].to(tl.int64)
+    pre_gate_ptrs = pre_ptr + rows64 * stride_pm + gate_cols[None, :] * stride_pn
+    pre_lin_ptrs = pre_ptr + rows64 * stride_pm + lin_cols[None, :] * stride_pn
+    act_ptrs = act_ptr + rows64 * stride_actm + cols[None, :] * stride_actn
+    if group < G:
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows64 * stride_xm + ks[None, :] * stride_xk
+        w_base = w_ptr + group.to(tl.int64) * stride_wg + ks[:, None] * stride_wk
+        wg_ptrs = w_base + gate_cols[None, :].to(tl.int64) * stride_wn
+        wl_ptrs = w_base + lin_cols[None, :].to(tl.int64) * stride_wn
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_lin = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = ks < K - k0
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+            acc_gate = tl.dot(x, wg, acc_gate)
+            if GATED:
+                wl = tl.load(wl_ptrs, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+                acc_lin = tl.dot(x, wl, acc_lin)
+            x_ptrs += BLOCK_K * stride_xk
+            wg_ptrs += BLOCK_K * stride_wk
+            wl_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bias_base = bias_ptr + group * stride_biasg
+            acc_gate += tl.load(bias_base + gate_cols * stride_biasn, mask=mask_j, other=0.0).to(tl.float32)[
+                None, :
+            ]
+            if GATED:
+                acc_lin += tl.load(bias_base + lin_cols * stride_biasn, mask=mask_j, other=0.0).to(
+                    tl.float32
+                )[None, :]
+        pre_gate = acc_gate.to(pre_ptr.dtype.element_ty)
+        tl.store(pre_gate_ptrs, pre_gate, mask=mask)
+        pre_lin = acc_lin.to(pre_ptr.dtype.element_ty)
+        if GATED:
+            tl.store(pre_lin_ptrs, pre_lin, mask=mask)
+        act = _act_fwd(pre_gate.to(tl.float32), pre_lin.to(tl.float32), limit, alpha, glu_offset, KIND)
+        if HAS_SCALES:
+            s = tl.load(scales_ptr + rows.to(tl.int64) * stride_s, mask=mask_m, other=0.0).to(tl.float32)
+            act = act * s[:, None]
+        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask)
+    elif group == G:
+        tl.store(pre_gate_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=pre_ptr.dtype.element_ty), mask=mask)
+        if GATED:
+            tl.store(pre_lin_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=pre_ptr.dtype.element_ty), mask=mask)
+        tl.store(act_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=act_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fc2_dgrad_act_kernel(
+    dy_ptr, w_ptr, pre_ptr, scales_ptr, grad_pre_ptr, act_ptr, partial_ptr, offsets_ptr,
+    M, N_ACT, H, G, M_BUCKET,
+    limit, alpha, glu_offset,
+    stride_dym, stride_dyh,
+    stride_wg, stride_wh, stride_wn,
+    stride_pm, stride_pn,
+    stride_s,
+    stride_gm, stride_gn,
+    stride_actm, stride_actn,
+    KIND: tl.constexpr, GATED: tl.constexpr, INTERLEAVE: tl.constexpr, HAS_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """FC2 dgrad with the activation backward in the epilogue.
+
+    ``grad_act = dy @ w[g]`` (``dy [M, H]``, ``w [G, H, N_ACT]``) stays in registers; the
+    epilogue recomputes ``act`` from ``pre`` and writes ``grad_pre [M, N_pre]``, the FC2
+    input ``act * s [M, N_ACT]`` (for FC2's weight gradient) and, per column tile, the
+    partial row sums ``sum_j act * grad_act`` into ``partial [num_col_tiles, M]`` (fp32),
+    which the launcher reduces into the scales' gradient (deterministic: no atomics).
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M) + G + 1
+    num_pid_n = tl.cdiv(N_ACT, BLOCK_N)
+    pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
+    group, row_start, row_end = _row_tile(pid_m, offsets_ptr, G, M, BLOCK_M, BLOCK_G)
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rows < row_end
+    mask_j = cols < N_ACT
+    mask = mask_m[:, None] & mask_j[None, :]
+    gate_cols, lin_cols = _gated_columns(cols, N_ACT, GATED, INTERLEAVE)
+    rows64 = rows[:, None].to(tl.int64)
+    gp_gate_ptrs = grad_pre_ptr + rows64 * stride_gm + gate_cols[None, :] * stride_gn
+    gp_lin_ptrs = grad_pre_ptr + rows64 * stride_gm + lin_cols[None, :] * stride_gn
+    act_ptrs = act_ptr + rows64 * stride_actm + cols[None, :] * stride_actn
+    partial_ptrs = partial_ptr + pid_n.to(tl.int64) * M + rows
+    if group < G:
+        ks = tl.arange(0, BLOCK_K)
+        dy_ptrs = dy_ptr + rows64 * stride_dym + ks[None, :] * stride_dyh
+        w_ptrs = w_ptr + group.to(tl.int64) * stride_wg + ks[:, None] * stride_wh + cols[None, :] * stride_wn
+        grad_act = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            mask_k = ks < H - k0
+            dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+            grad_act = tl.dot(dy, w, grad_act)
+            dy_ptrs += BLOCK_K * stride_dyh
+            w_ptrs += BLOCK_K * stride_wh
+        pre_gate = tl.load(
+            pre_ptr + rows64 * stride_pm + gate_cols[None, :] * stride_pn, mask=mask, other=0.0
+        )
+        pre_gate = pre_gate.to(tl.float32)
+        if GATED:
+            pre_lin = tl.load(
+                pre_ptr + rows64 * stride_pm + lin_cols[None, :] * stride_pn, mask=mask, other=0.0
+            )
+            pre_lin = pre_lin.to(tl.float32)
+        else:
+            pre_lin = pre_gate
+        if HAS_SCALES:
+            s = tl.load(scales_ptr + rows.to(tl.int64) * stride_s, mask=mask_m, other=0.0).to(tl.float32)
+            grad_scaled = grad_act * s[:, None]
+        else:
+            grad_scaled = grad_act
+        act, grad_gate, grad_lin = _act_bwd(pre_gate, pre_lin, grad_scaled, limit, alpha, glu_offset, KIND)
+        tl.store(gp_gate_ptrs, grad_gate.to(grad_pre_ptr.dtype.element_ty), mask=mask)
+        if GATED:
+            tl.store(gp_lin_ptrs, grad_lin.to(grad_pre_ptr.dtype.element_ty), mask=mask)
+        if HAS_SCALES:
+            # act rounded to its dtype, as the unfused path sees it
+            act_rounded = act.to(act_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(partial_ptrs, tl.sum(tl.where(mask, act_rounded * grad_act, 0.0), 1), mask=mask_m)
+            act = act * s[:, None]
+        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask)
+    elif group == G:
+        tl.store(gp_gate_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=grad_pre_ptr.dtype.element_ty), mask=mask)
+        if GATED:
+            tl.store(
+                gp_lin_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=grad_pre_ptr.dtype.element_ty), mask=mask
+            )
+        tl.store(act_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=act_ptr.dtype.element_ty), mask=mask)
+        if HAS_SCALES:
+            tl.store(partial_ptrs, tl.zeros((BLOCK_M,), dtype=tl.float32), mask=mask_m)
+
+
+@triton.jit
+def _wgrad_kernel(
+    dy_ptr, x_ptr, out_ptr, offsets_ptr,
+    M, N, K, G, M_BUCKET,
+    stride_dym, stride_dyn,
+    stride_xm, stride_xk,
+    stride_og, stride_on, stride_ok,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """``out[g] = dy[rows_g].T @ x[rows_g]``: a grouped GEMM whose reduction dim is ragged.
+
+    ``dy [M, N]``, ``x [M, K]``, ``out [G, N, K]``; a group without rows gets zeros.
+    """
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    pid_n, pid_k = _swizzle(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP_M)
+    row_end = tl.minimum(tl.maximum(tl.load(offsets_ptr + group).to(tl.int32), 0), M)
+    row_start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
+    row_start = tl.minimum(tl.maximum(row_start, 0), M)
+
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ms = tl.arange(0, BLOCK_M)
+    mask_n = ns < N
+    mask_k = ks < K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for m0 in range(row_start, row_end, BLOCK_M):
+        rows = m0 + ms
+        mask_m = rows < row_end
+        rows64 = rows.to(tl.int64)
+        dy_t = tl.load(
+            dy_ptr + rows64[None, :] * stride_dym + ns[:, None] * stride_dyn,
+            mask=mask_n[:, None] & mask_m[None, :],
+            other=0.0,
+        )
+        x = tl.load(
+            x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(dy_t, x, acc)
+    out_ptrs = out_ptr + group.to(tl.int64) * stride_og + ns[:, None] * stride_on + ks[None, :] * stride_ok
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_k[None, :])
+
+
+#: True when Triton runs these kernels in its interpreter (``TRITON_INTERPRET=1`` at import).
+INTERPRETED: bool = isinstance(_grouped_mm_kernel, InterpretedFunction)
+
+# ---------------------------------------------------------------- tile configurations
+
+
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> triton.Config:
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}, num_warps=warps, num_stages=stages
+    )
+
+
+# Small tiles in the interpreter so that tiny test shapes still span several tiles.
+_INTERPRETER_CONFIG = _cfg(16, 16, 16, 1, 1, group_m=2)
+
+# GPU candidates (sized for H100/H200 shared memory; the first is the untuned default).
+# The fc1 kernel keeps two accumulators, hence its narrower tiles.
+_GPU_CONFIGS = {
+    "mm": [
+        _cfg(128, 128, 64, 8, 3),
+        _cfg(128, 256, 64, 8, 3),
+        _cfg(128, 64, 64, 4, 4),
+        _cfg(64, 128, 64, 4, 4),
+        _cfg(64, 64, 64, 4, 4),
+    ],
+    "fc1_act": [
+        _cfg(128, 64, 64, 8, 3),
+        _cfg(128, 128, 64, 8, 3),
+        _cfg(64, 128, 64, 4, 3),
+        _cfg(64, 64, 64, 4, 4),
+    ],
+    "fc2_dgrad_act": [
+        _cfg(128, 64, 64, 8, 3),
+        _cfg(128, 128, 64, 8, 3),
+        _cfg(64, 128, 64, 4, 4),
+        _cfg(64, 64, 64, 4, 4),
+    ],
+    # BLOCK_M is the (ragged) reduction tile here
+    "wgrad": [
+        _cfg(64, 128, 128, 8, 3),
+        _cfg(64, 128, 64, 4, 4),
+        _cfg(64, 64, 128, 4, 4),
+        _cfg(32, 64, 64, 4, 4),
+    ],
+}
+
+_KERNELS = {
+    "mm": _grouped_mm_kernel,
+    "fc1_act": _fc1_act_kernel,
+    "fc2_dgrad_act": _fc2_dgrad_act_kernel,
+    "wgrad": _wgrad_kernel,
+}
+# Autotune keys: shapes that pick a tile config; rows enter as a power-of-two bucket.
+_AUTOTUNE_KEYS = {
+    "mm": ["R", "J", "G", "M_BUCKET"],
+    "fc1_act": ["N_ACT", "K", "G", "M_BUCKET"],
+    "fc2_dgrad_act": ["N_ACT", "H", "G", "M_BUCKET"],
+    "wgrad": ["N", "K", "G", "M_BUCKET"],
+}
+_autotuned: dict[str, object] = {}
+
+
+def _launcher(name: str, autotune: bool):
+    """``(kernel, config)``: the autotuned kernel with ``config=None``, or the raw kernel and its config."""
+    if INTERPRETED:
+        return _KERNELS[name], _INTERPRETER_CONFIG
+    if not autotune:
+        return _KERNELS[name], _GPU_CONFIGS[name][0]
+    if name not in _autotuned:
+        _autotuned[name] = triton.autotune(configs=_GPU_CONFIGS[name], key=_AUTOTUNE_KEYS[name])(
+            _KERNELS[name]
+        )
+    return _autotuned[name], None
+
+
+def _run(name: str, autotune: bool, grid, *args, **kwargs) -> dict[str, int]:
+    """Launch kernel ``name``; returns the tile sizes of the config that ran."""
+    kernel, config = _launcher(name, autotune)
+    if config is None:
+        kernel[grid](*args, **kwargs)
+        config = kernel.best_config
+    else:
+        kernel[grid](
+            *args, **kwargs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+        )
+    return config.kwargs
+
+
+def autotune_cache_sizes() -> dict[str, int]:
+    """Number of cached autotuning results per kernel (shapes tuned so far)."""
+    return {name: len(kernel.cache) for name, kernel in _autotuned.items()}
+
+
+def _block_g(num_groups: int) -> int:
+    return triton.next_power_of_2(num_groups + 1)
+
+
+def _m_bucket(m: int) -> int:
+    return triton.next_power_of_2(max(m, 1))
+
+
+def _row_grid(m: int, num_groups: int, cols: int):
+    def grid(meta):
+        num_pid_m = triton.cdiv(m, meta["BLOCK_M"]) + num_groups + 1
+        return (num_pid_m * triton.cdiv(cols, meta["BLOCK_N"]),)
+
+    return grid
+
+
+# ---------------------------------------------------------------- launchers
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None,
+    zero_tail: bool,
+    autotune: bool,
+) -> torch.Tensor:
+    """``out[rows_g] = a[rows_g] @ b[g] (+ bias[g])``; ``a [M, R]``, ``b [G, R, J]``, ``out [M, J]``.
+
+    ``b`` may be any strided view (pass ``weight.transpose(1, 2)`` for fprop).
+    """
+    m, r = a.shape
+    num_groups, _, j = b.shape
+    if m == 0 or j == 0:
+        return out
+    bias_arg = bias if bias is not None else out
+    bias_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    _run(
+        "mm", autotune, _row_grid(m, num_groups, j),
+        a, b, bias_arg, out, offsets,
+        m, r, j, num_groups, _m_bucket(m),
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        *bias_strides,
+        out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, ZERO_TAIL=zero_tail, BLOCK_G=_block_g(num_groups),
+    )  # fmt: skip
+    return out
+
+
+def _act_constants(spec: ActivationSpec) -> dict:
+    return {
+        "KIND": _ACT_CODES[spec.kind],
+        "GATED": spec.gated,
+        "INTERLEAVE": spec.glu_interleave_size or 0,
+    }
+
+
+def fc1_act(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor,
+    spec: ActivationSpec,
+    scales: torch.Tensor | None,
+    *,
+    autotune: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(pre [M, N_pre], act_scaled [M, N_act])`` for ``x [M, K]``, ``weight [G, N_pre, K]``."""
+    m, k = x.shape
+    num_groups, n_pre, _ = weight.shape
+    n_act = spec.output_features(n_pre)
+    pre = torch.empty(m, n_pre, dtype=x.dtype, device=x.device)
+    act = torch.empty(m, n_act, dtype=x.dtype, device=x.device)
+    if m == 0 or n_act == 0:
+        return pre, act
+    bias_arg = bias if bias is not None else pre
+    bias_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    scales_arg = scales if scales is not None else pre
+    _run(
+        "fc1_act", autotune, _row_grid(m, num_groups, n_act),
+        x, weight, bias_arg, scales_arg, pre, act, offsets,
+        m, n_act, k, num_groups, _m_bucket(m),
+        float(spec.limit), float(spec.alpha), float(spec.glu_linear_offset),
+        x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1), weight.stride(2),
+        *bias_strides,
+        scales.stride(0) if scales is not None else 0,
+        pre.stride(0), pre.stride(1),
+        act.stride(0), act.stride(1),
+        **_act_constants(spec),
+        HAS_BIAS=bias is not None, HAS_SCALES=scales is not None, BLOCK_G=_block_g(num_groups),
+    )  # fmt: skip
+    return pre, act
+
+
+def fc2_dgrad_act(
+    grad_y: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    offsets: torch.Tensor,
+    spec: ActivationSpec,
+    scales: torch.Tensor | None,
+    *,
+    autotune: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Returns ``(grad_pre [M, N_pre], grad_scales [M] fp32 or None, act_scaled [M, N_act])``.
+
+    ``grad_y [M, H]``, ``weight [G, H, N_act]`` (FC2's weight), ``pre [M, N_pre]``.
+    """
+    m, h = grad_y.shape
+    num_groups, _, n_act = weight.shape
+    n_pre = pre.shape[1]
+    dtype, device = grad_y.dtype, grad_y.device
+    grad_pre = torch.empty(m, n_pre, dtype=dtype, device=device)
+    act = torch.empty(m, n_act, dtype=dtype, device=device)
+    if m == 0 or n_act == 0:
+        grad_scales = torch.zeros(m, dtype=torch.float32, device=device) if scales is not None else None
+        return grad_pre.zero_(), grad_scales, act
+    # Room for the narrowest column tile of any candidate config; only the first
+    # cdiv(n_act, BLOCK_N) rows of the config that ran are written, and only those are summed.
+    configs = [_INTERPRETER_CONFIG] if INTERPRETED else _GPU_CONFIGS["fc2_dgrad_act"]
+    min_block_n = min(c.kwargs["BLOCK_N"] for c in configs)
+    partial = torch.empty(triton.cdiv(n_act, min_block_n), m, dtype=torch.float32, device=device)
+    scales_arg = scales if scales is not None else pre
+    ran = _run(
+        "fc2_dgrad_act", autotune, _row_grid(m, num_groups, n_act),
+        grad_y, weight, pre, scales_arg, grad_pre, act, partial, offsets,
+        m, n_act, h, num_groups, _m_bucket(m),
+        float(spec.limit), float(spec.alpha), float(spec.glu_linear_offset),
+        grad_y.stride(0), grad_y.stride(1),
+        weight.stride(0), weight.stride(1), weight.stride(2),
+        pre.stride(0), pre.stride(1),
+        scales.stride(0) if scales is not None else 0,
+        grad_pre.stride(0), grad_pre.stride(1),
+        act.stride(0), act.stride(1),
+        **_act_constants(spec),
+        HAS_SCALES=scales is not None, BLOCK_G=_block_g(num_groups),
+    )  # fmt: skip
+    grad_scales = None
+    if scales is not None:
+        grad_scales = partial[: triton.cdiv(n_act, ran["BLOCK_N"])].sum(0)
+    return grad_pre, grad_scales, act
+
+
+def wgrad(
+    grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, *, autotune: bool
+) -> torch.Tensor:
+    """``out[g] = grad_out[rows_g].T @ x[rows_g]``; ``grad_out [M, N]``, ``x [M, K]``, ``out [G, N, K]``."""
+    m, n = grad_out.shape
+    k = x.shape[1]
+    num_groups = out.shape[0]
+    if n == 0 or k == 0:
+        return out
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]), num_groups)
+
+    _run(
+        "wgrad", autotune, grid,
+        grad_out, x, out, offsets,
+        m, n, k, num_groups, _m_bucket(m),
+        grad_out.stride(0), grad_out.stride(1),
+        x.stride(0), x.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,371 @@
+"""The torch grouped-GEMM backends (torch_loop, cpu, grouped_mm) vs an independent float64 reference.
+
+The reference below does not loop over groups: it expands every row's group weight
+(``weight[group_ids]``) and contracts with einsum, and gets the activation gradients
+from autograd on formulas written here, so a wrong group boundary, a missing bias, a
+swapped gate/linear half or a wrong derivative all show up as O(1) errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fusible_ops.kernels.activation import ActivationSpec
+from fusible_ops.kernels.torch_cpu import TorchCpuBackend
+from fusible_ops.kernels.torch_grouped_mm import TorchGroupedMMBackend
+from fusible_ops.kernels.torch_loop import TorchLoopBackend
+
+BACKENDS = {
+    "torch_loop": TorchLoopBackend,
+    "cpu": TorchCpuBackend,
+    "grouped_mm": TorchGroupedMMBackend,
+}
+DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+# relative to the largest reference magnitude
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+SPLITS = {
+    "uneven_with_empty": [5, 0, 11, 8],
+    "all_in_one": [0, 24, 0, 0],
+    "zero_total": [0, 0, 0, 0],
+    "empty_last": [9, 7, 8, 0],
+}
+
+
+def make_backend(name: str, dtype: torch.dtype, row_block: int = 7):
+    backend = BACKENDS[name]()
+    reason = backend.probe(torch.device("cpu"), dtype)
+    if reason is not None:
+        pytest.skip(reason)
+    if isinstance(backend, TorchCpuBackend):
+        backend.row_block = row_block  # small blocks so a group spans several
+    return backend
+
+
+def offsets_of(split_sizes: list[int]) -> torch.Tensor:
+    return torch.tensor(split_sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def group_ids_of(split_sizes: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(
+        torch.arange(len(split_sizes)), torch.tensor(split_sizes, dtype=torch.int64)
+    )
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if expected.numel() == 0:
+        return
+    err = (actual.double() - expected.double()).abs().max().item()
+    scale = max(expected.abs().max().item(), 1.0)
+    assert err <= TOL[dtype] * scale, f"{what}: max abs error {err:.3g} > {TOL[dtype]} x {scale:.3g}"
+
+
+def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64).to(dtype)
+
+
+# ---------------------------------------------------------------- reference math (float64)
+
+
+def ref_fprop(x, weight, split_sizes, bias=None):
+    gid = group_ids_of(split_sizes)
+    rows = gid.numel()
+    y = torch.einsum("mk,mnk->mn", x[:rows].double(), weight.double()[gid])
+    if bias is not None:
+        y = y + bias.double()[gid]
+    return y
+
+
+def ref_dgrad(grad_out, weight, split_sizes):
+    gid = group_ids_of(split_sizes)
+    return torch.einsum("mn,mnk->mk", grad_out[: gid.numel()].double(), weight.double()[gid])
+
+
+def ref_wgrad(grad_out, x, split_sizes):
+    gid = group_ids_of(split_sizes)
+    onehot = torch.nn.functional.one_hot(gid, len(split_sizes)).double()
+    rows = gid.numel()
+    return torch.einsum("mg,mn,mk->gnk", onehot, grad_out[:rows].double(), x[:rows].double())
+
+
+def ref_bias_grad(grad_out, split_sizes):
+    gid = group_ids_of(split_sizes)
+    onehot = torch.nn.functional.one_hot(gid, len(split_sizes)).double()
+    return onehot.t() @ grad_out[: gid.numel()].double()
+
+
+def _gelu_tanh(v):
+    return 0.5 * v * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+
+
+def ref_activation(spec: ActivationSpec, pre: torch.Tensor) -> torch.Tensor:
+    if not spec.gated:
+        return {
+            "relu": lambda v: torch.where(v > 0, v, 0.0),
+            "gelu": _gelu_tanh,
+            "silu": lambda v: v / (1.0 + torch.exp(-v)),
+            "srelu": lambda v: torch.where(v > 0, v * v, 0.0),
+        }[spec.kind](pre)
+    n = pre.shape[-1] // 2
+    if spec.glu_interleave_size is None:
+        gate, lin = pre[:, :n], pre[:, n:]
+    else:
+        k = spec.glu_interleave_size
+        idx = torch.arange(2 * n).reshape(-1, 2, k)
+        gate, lin = pre[:, idx[:, 0, :].reshape(-1)], pre[:, idx[:, 1, :].reshape(-1)]
+    if spec.kind == "swiglu":
+        return gate / (1.0 + torch.exp(-gate)) * lin
+    if spec.kind == "geglu":
+        return _gelu_tanh(gate) * lin
+    if spec.kind == "reglu":
+        return torch.where(gate > 0, gate, 0.0) * lin
+    g = torch.minimum(gate, torch.tensor(spec.limit, dtype=gate.dtype))
+    lin = torch.clamp(lin, -spec.limit, spec.limit)
+    return g / (1.0 + torch.exp(-spec.alpha * g)) * (lin + spec.glu_linear_offset)
+
+
+ACTIVATIONS = [
+    ActivationSpec("swiglu"),
+    ActivationSpec("swiglu", glu_interleave_size=1),
+    ActivationSpec("geglu"),
+    ActivationSpec("reglu", glu_interleave_size=2),
+    ActivationSpec("clamped_swiglu", limit=1.5),
+    ActivationSpec("srelu"),
+    ActivationSpec("gelu"),
+]
+
+
+# ---------------------------------------------------------------- GEMMs
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("split_name", list(SPLITS))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_fprop_dgrad_wgrad_bias_grad(backend_name, dtype, split_name, with_bias):
+    backend = make_backend(backend_name, dtype)
+    split_sizes = SPLITS[split_name]
+    groups, rows, k_in, n_out = len(split_sizes), sum(split_sizes), 16, 24
+    x = randn(rows, k_in, dtype=dtype)
+    weight = randn(groups, n_out, k_in, dtype=dtype)
+    bias = randn(groups, n_out, dtype=dtype) if with_bias else None
+    grad_out = randn(rows, n_out, dtype=dtype)
+    offsets = offsets_of(split_sizes)
+
+    for sizes in (split_sizes, None):  # host splits, and offsets only
+        y = backend.fprop(x, weight, sizes, offsets, bias=bias)
+        assert y.dtype == dtype
+        assert_close(y, ref_fprop(x, weight, split_sizes, bias), dtype, "fprop")
+        assert_close(
+            backend.dgrad(grad_out, weight, sizes, offsets),
+            ref_dgrad(grad_out, weight, split_sizes),
+            dtype,
+            "dgrad",
+        )
+        assert_close(
+            backend.wgrad(grad_out, x, sizes, offsets), ref_wgrad(grad_out, x, split_sizes), dtype, "wgrad"
+        )
+        db = backend.bias_grad(grad_out, sizes, offsets, groups)
+        assert db.dtype == dtype
+        assert_close(db, ref_bias_grad(grad_out, split_sizes), dtype, "bias_grad")
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_non_contiguous_operands(backend_name, dtype):
+    backend = make_backend(backend_name, dtype)
+    split_sizes = [6, 0, 10]
+    rows, k_in, n_out = sum(split_sizes), 16, 8
+    x = randn(rows, 2 * k_in, dtype=dtype)[:, ::2]  # column stride 2
+    weight = randn(3, k_in, n_out, dtype=dtype).transpose(1, 2)  # [G, N, K] view, K-major
+    grad_out = randn(n_out, rows, dtype=dtype).t()  # column-major
+    offsets = offsets_of(split_sizes)
+    assert not x.is_contiguous() and not weight.is_contiguous() and not grad_out.is_contiguous()
+    assert_close(
+        backend.fprop(x, weight, split_sizes, offsets), ref_fprop(x, weight, split_sizes), dtype, "fprop"
+    )
+    assert_close(
+        backend.dgrad(grad_out, weight, split_sizes, offsets),
+        ref_dgrad(grad_out, weight, split_sizes),
+        dtype,
+        "dgrad",
+    )
+    assert_close(
+        backend.wgrad(grad_out, x, split_sizes, offsets), ref_wgrad(grad_out, x, split_sizes), dtype, "wgrad"
+    )
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("known_splits", [True, False], ids=["host_splits", "offsets_only"])
+def test_out_is_written_in_place_and_tail_rows_untouched(backend_name, known_splits):
+    """``out`` is a view of the first rows of a bigger buffer; rows past the last group keep their values."""
+    dtype = torch.float32
+    backend = make_backend(backend_name, dtype)
+    split_sizes = [3, 0, 5]
+    covered, extra, k_in, n_out = sum(split_sizes), 2, 8, 12
+    x = randn(covered + extra, k_in, dtype=dtype)  # x has 2 rows no group owns
+    weight = randn(3, n_out, k_in, dtype=dtype)
+    offsets = offsets_of(split_sizes)
+    sizes = split_sizes if known_splits else None
+    sentinel = 123.0
+
+    buf = torch.full((covered + extra + 4, n_out), sentinel)
+    out = buf[: covered + extra]
+    y = backend.fprop(x, weight, sizes, offsets, out=out)
+    assert y.data_ptr() == buf.data_ptr()
+    assert_close(buf[:covered], ref_fprop(x, weight, split_sizes), dtype, "fprop into out")
+    assert (buf[covered:] == sentinel).all(), "fprop wrote rows past the last group"
+
+    grad_out = randn(covered + extra, n_out, dtype=dtype)
+    dbuf = torch.full((covered + extra + 4, k_in), sentinel)
+    dx = backend.dgrad(grad_out, weight, sizes, offsets, out=dbuf[: covered + extra])
+    assert dx.data_ptr() == dbuf.data_ptr()
+    assert_close(dbuf[:covered], ref_dgrad(grad_out, weight, split_sizes), dtype, "dgrad into out")
+    assert (dbuf[covered:] == sentinel).all(), "dgrad wrote rows past the last group"
+
+    wbuf = torch.full((3, n_out, k_in), sentinel)
+    dw = backend.wgrad(grad_out, x, sizes, offsets, out=wbuf)
+    assert dw.data_ptr() == wbuf.data_ptr()
+    assert_close(wbuf, ref_wgrad(grad_out, x, split_sizes), dtype, "wgrad into out (empty group zeroed)")
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_bad_input_raises_before_writing(backend_name):
+    backend = make_backend(backend_name, torch.float32)
+    x = torch.randn(8, 16)
+    weight = torch.randn(2, 8, 16)
+    offsets = offsets_of([4, 4])
+    out = torch.full((8, 8), 7.0)
+    cases = [
+        (TypeError, lambda: backend.fprop(x.double(), weight, [4, 4], offsets, out=out)),
+        (ValueError, lambda: backend.fprop(x, weight, [4, 4, 0], offsets, out=out)),
+        (ValueError, lambda: backend.fprop(x, weight, [4, 5], offsets, out=out)),
+        (ValueError, lambda: backend.fprop(x, weight, [4, 4], offsets, out=out[:7])),
+        (ValueError, lambda: backend.fprop(x, weight[:, :, :8], [4, 4], offsets, out=out)),
+        (ValueError, lambda: backend.fprop(x, weight, [4, 4], offsets, bias=torch.zeros(2, 7), out=out)),
+        (ValueError, lambda: backend.fprop(x, weight, [4, -1], offsets, out=out)),
+        (ValueError, lambda: backend.dgrad(torch.randn(8, 7), weight, [4, 4], offsets, out=out)),
+    ]
+    for exc, call in cases:
+        with pytest.raises(exc, match=backend.name):
+            call()
+        assert (out == 7.0).all()
+
+
+def test_grouped_mm_probe_rules():
+    backend = TorchGroupedMMBackend()
+    assert "float64" in backend.probe(torch.device("cpu"), torch.float64)
+    assert backend.probe(torch.device("cpu"), torch.bfloat16) is None  # torch 2.13 supports CPU
+    assert TorchGroupedMMBackend.shape_problem(33, 16, torch.bfloat16) is not None
+    assert TorchGroupedMMBackend.shape_problem(32, 16, torch.bfloat16) is None
+    with pytest.raises(ValueError, match="torch_loop"):
+        backend.fprop(torch.randn(4, 6), torch.randn(1, 4, 6), [4], offsets_of([4]))
+
+
+def test_cpu_backend_refuses_other_devices():
+    assert "CPU" in TorchCpuBackend().probe(torch.device("meta"), torch.float32)
+    assert TorchLoopBackend().probe(torch.device("cpu"), torch.int32) is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_mm_on_cuda_matches_loop():
+    backend = TorchGroupedMMBackend()
+    dev = torch.device("cuda")
+    if backend.probe(dev, torch.bfloat16) is not None:
+        pytest.skip(backend.probe(dev, torch.bfloat16))
+    split_sizes = [5, 0, 11, 8]
+    x = torch.randn(24, 32, device=dev).bfloat16()
+    weight = torch.randn(4, 16, 32, device=dev).bfloat16()
+    y = backend.fprop(x, weight, None, offsets_of(split_sizes).to(dev))
+    assert_close(y.cpu(), ref_fprop(x.cpu(), weight.cpu(), split_sizes), torch.bfloat16, "cuda fprop")
+
+
+# ---------------------------------------------------------------- fused activation entry points
+
+
+def ref_mlp_pieces(x, w1, b1, w2, split_sizes, spec, scales, grad_y):
+    """Reference (pre, act, grad_pre, grad_scales) in float64 with autograd for the activation."""
+    pre = ref_fprop(x, w1, split_sizes, b1).requires_grad_(True)
+    s = None if scales is None else scales.detach().double().clone().requires_grad_(True)
+    act = ref_activation(spec, pre)
+    if s is not None:
+        act = act * s[: pre.shape[0], None]
+    grad_act = ref_dgrad(grad_y, w2, split_sizes)
+    act.backward(grad_act)
+    grad_scales = None if s is None else s.grad
+    return pre.detach(), act.detach(), pre.grad, grad_scales
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", ACTIVATIONS, ids=lambda s: f"{s.kind}-k{s.glu_interleave_size}")
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
+def test_fused_activation_entry_points(backend_name, dtype, spec, scaled):
+    backend = make_backend(backend_name, dtype)
+    split_sizes = [5, 0, 11, 8]
+    _check_fused_entry_points(backend, dtype, spec, split_sizes, scaled, with_bias=True)
+
+
+def _check_fused_entry_points(backend, dtype, spec, split_sizes, scaled, with_bias):
+    groups, rows, hidden, ffn = len(split_sizes), sum(split_sizes), 16, 8
+    fc1_out = 2 * ffn if spec.gated else ffn
+    x = randn(rows, hidden, dtype=dtype)
+    w1 = randn(groups, fc1_out, hidden, dtype=dtype)
+    b1 = randn(groups, fc1_out, dtype=dtype) if with_bias else None
+    w2 = randn(groups, hidden, ffn, dtype=dtype)
+    scales_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    scales = torch.rand(rows, dtype=scales_dtype) if scaled else None
+    grad_y = randn(rows, hidden, dtype=dtype)
+    offsets = offsets_of(split_sizes)
+
+    pre, act = backend.fc1_fprop_act(x, w1, b1, split_sizes, offsets, spec, scales)
+    ref_pre, _, _, _ = ref_mlp_pieces(x, w1, b1, w2, split_sizes, spec, scales, grad_y)
+    assert_close(pre, ref_pre, dtype, "fc1 pre")
+    # the activation is judged from the backend's own (rounded) pre, so bf16 GEMM
+    # rounding is not amplified through the nonlinearity
+    _, ref_act, ref_grad_pre, ref_grad_scales = (
+        ref_mlp_pieces(x, w1, b1, w2, split_sizes, spec, scales, grad_y)
+        if dtype == torch.float64
+        else _pieces_from_pre(pre, w2, split_sizes, spec, scales, grad_y)
+    )
+    assert_close(act, ref_act, dtype, "fc1 act")
+
+    grad_pre, grad_scales, act2 = backend.fc2_dgrad_act(grad_y, w2, pre, split_sizes, offsets, spec, scales)
+    assert_close(act2, ref_act, dtype, "recomputed act")
+    assert_close(grad_pre, ref_grad_pre, dtype, "grad_pre")
+    if scaled:
+        assert grad_scales.dtype == scales.dtype
+        assert_close(grad_scales, ref_grad_scales, dtype, "grad_scales")
+    else:
+        assert grad_scales is None
+
+
+def _pieces_from_pre(pre, w2, split_sizes, spec, scales, grad_y):
+    pre64 = pre.detach().double().clone().requires_grad_(True)
+    s = None if scales is None else scales.detach().double().clone().requires_grad_(True)
+    act = ref_activation(spec, pre64)
+    if s is not None:
+        act = act * s[:, None]
+    act.backward(ref_dgrad(grad_y, w2, split_sizes))
+    return None, act.detach(), pre64.grad, None if s is None else s.grad
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    split_sizes=st.lists(st.integers(0, 9), min_size=1, max_size=5),
+    backend_name=st.sampled_from(list(BACKENDS)),
+    row_block=st.integers(1, 8),
+    kind=st.sampled_from(["swiglu", "clamped_swiglu", "srelu"]),
+)
+def test_random_splits_fp64(split_sizes, backend_name, row_block, kind):
+    dtype = torch.float64 if backend_name != "grouped_mm" else torch.float32
+    backend = BACKENDS[backend_name]()
+    if isinstance(backend, TorchCpuBackend):
+        backend.row_block = row_block
+    _check_fused_entry_points(backend, dtype, ActivationSpec(kind), split_sizes, scaled=True, with_bias=True)
