@@ -64,13 +64,18 @@ def get_backend(name: str) -> GroupedGemmBackend:
     return backend
 
 
-def probe_backend(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """``None`` when ``name`` can run on ``device``/``dtype``, else the reason."""
+def probe_backend(name: str, device: torch.device, dtype: torch.dtype, *, automatic: bool = False) -> str | None:
+    """``None`` when ``name`` can run on ``device``/``dtype``, else the reason.
+
+    ``automatic=True`` asks whether automatic selection may pick it (some backends
+    are opt-in only).
+    """
     try:
         backend = get_backend(name)
     except ImportError as error:  # a backend module whose own imports failed
         return f"cannot import backend module: {error}"
-    return backend.probe(torch.device(device), dtype)
+    device = torch.device(device)
+    return backend.auto_probe(device, dtype) if automatic else backend.probe(device, dtype)
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ def _select_uncached(device: torch.device, dtype: torch.dtype, purpose: str, for
         return BackendChoice(get_backend(forced), ())
     skipped = []
     for name in _PREFERENCE.get((device.type, purpose), _DEFAULT_PREFERENCE):
-        reason = probe_backend(name, device, dtype)
+        reason = probe_backend(name, device, dtype, automatic=True)
         if reason is None:
             return BackendChoice(get_backend(name), tuple(skipped))
         skipped.append((name, reason))

@@ -41,6 +41,10 @@ class GroupedGemmBackend:
         """``None`` when usable for tensors on ``device`` of ``dtype``, else the reason."""
         raise NotImplementedError
 
+    def auto_probe(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Like :meth:`probe`, for automatic selection (a backend may be opt-in only)."""
+        return self.probe(device, dtype)
+
     def package_status(self) -> str | None:
         """``None`` when the backend's software is present, else why not (for ``info``)."""
         return None

@@ -118,6 +118,17 @@ class CudnnFrontendBackend(GroupedGemmBackend):
             return f"cudnn {st.path} path supports {allowed}, got {dtype}"
         return None
 
+    def auto_probe(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Automatic selection takes only the Blackwell path; Hopper's is opt-in.
+
+        On SM90 the weight gradient runs as a host-synced torch loop, so the graph-API
+        path is chosen only with ``settings(backend="cudnn")``.
+        """
+        reason = self.probe(device, dtype)
+        if reason is None and self.status(device).path != "blackwell":
+            return "the Hopper graph-API path is opt-in (settings(backend='cudnn')): its wgrad syncs the host"
+        return reason
+
     def require(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise naming the missing piece; for ``settings(backend="cudnn")``."""
         reason = self.probe(device, dtype)
