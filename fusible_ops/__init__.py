@@ -39,6 +39,7 @@ from .fused import GroupedMLP
 from .fuser import OperationFuser
 from .fusion_rules import FusionContext, register_fusion, unregister_fusion, window_rule
 from .kernels import BackendUnavailableError
+from .moe_layer import MoE
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .plan import FusionDecision, FusionPlan, SequentialPlan
 from .sequential import Sequential
@@ -70,6 +71,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "MakeExtraOutput",
+    "MoE",
     "OperationContext",
     "OperationFuser",
     "RMSNorm",

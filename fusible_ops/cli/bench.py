@@ -310,6 +310,17 @@ def format_table(results: dict) -> str:
         for name, nbytes in results["saved_bytes"].items():
             ratio = f"  ({nbytes / base:.2f}x unfused)" if base else ""
             lines.append(f"  {name:<11}{nbytes / 2**20:>10.2f} MiB{ratio}")
+    if "moe_ep" in results:
+        ep = results["moe_ep"]
+        lines.append("")
+        lines.append(
+            "MoE layer forward+backward (informational; 512 tokens, hidden 256, ffn 512, 8 experts, top-2, "
+            "fp32, gloo on CPU):"
+        )
+        lines.append(
+            f"  single process {ep['single_ms']:.2f} ms, EP=2 {ep['ep2_ms']:.2f} ms "
+            f"(slower rank; {ep['ep2_ms'] / ep['single_ms']:.2f}x single)"
+        )
     return "\n".join(lines)
 
 
@@ -347,6 +358,10 @@ def main(args) -> int:
     dtype = getattr(torch, args.dtype)
     repeats = args.repeats if args.repeats is not None else (50 if args.small else 10)
     results = run_bench(shape, dtype, args.device, repeats=repeats, warmup=3 if args.small else 2)
+    if args.moe_ep:
+        from .moe_ep_bench import run_moe_ep_bench
+
+        results["moe_ep"] = run_moe_ep_bench()
     print(results["plan"])
     print()
     print(format_table(results))

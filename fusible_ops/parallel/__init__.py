@@ -1,8 +1,9 @@
 # ruff: noqa: F401  (re-exports)
-"""Parallelism: tensor-parallel linear dispatch and modules."""
+"""Parallelism: tensor-parallel linear dispatch and modules, expert parallelism."""
 
 from __future__ import annotations
 
+from .expert_parallel import DispatchState, ExpertParallel, all_to_all_rows
 from .tp_linear import (
     PATH_ASYNC_TP,
     PATH_BMM,

@@ -1,0 +1,221 @@
+"""Routing helpers for Mixture-of-Experts: top-k router, permute, unpermute/combine.
+
+Shapes: ``T`` tokens, ``H`` hidden size, ``E`` experts, ``k`` experts per token,
+``N = T * k`` routed rows.
+
+The usual pipeline::
+
+    probs, expert_ids = topk_route(logits, k)                       # [T, k], [T, k]
+    perm = permute(tokens, expert_ids, E, probs)                    # rows sorted by expert
+    y = experts(perm.rows, perm.split_sizes, perm.probs, perm.split_sizes)
+    out = unpermute(y, perm.token_index, T)                         # [T, H]
+
+Nothing here reads device values on the host: split sizes stay on the tokens' device.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .buffers import validate_or_alloc_output
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+# ---------------------------------------------------------------- router
+
+
+def topk_route(
+    logits: torch.Tensor, top_k: int, *, score: str = "softmax", renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick ``top_k`` experts per token from router ``logits`` ``[T, E]``.
+
+    Returns ``(probs, expert_ids)``, both ``[T, top_k]``: the routing weights
+    (differentiable w.r.t. ``logits``; computed in at least float32) and the int64
+    expert indices, highest score first. ``score`` is ``"softmax"`` (over all experts)
+    or ``"sigmoid"`` (per expert); ``renormalize`` divides the chosen weights by their sum.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"topk_route: logits must be a 2-D tensor [tokens, experts], got {shape}")
+    if not logits.is_floating_point():
+        raise ValueError(f"topk_route: logits must be floating point, got {logits.dtype}")
+    num_experts = logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"topk_route: top_k must be an int in [1, {num_experts}], got {top_k!r}")
+    if score not in SCORE_FUNCTIONS:
+        raise ValueError(f"topk_route: score must be one of {SCORE_FUNCTIONS}, got {score!r}")
+
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
+    probs, expert_ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs, expert_ids
+
+
+# ---------------------------------------------------------------- permute
+
+
+class Permutation(NamedTuple):
+    """Routed rows sorted by expert, and what :func:`unpermute` needs to undo it."""
+
+    #: ``[N, H]`` token rows, grouped by expert in ``expert_order``
+    rows: torch.Tensor
+    #: ``[N]`` routing weight of each row, or None
+    probs: torch.Tensor | None
+    #: ``[E]`` int64 rows per expert (in ``expert_order``), on the tokens' device
+    split_sizes: torch.Tensor
+    #: ``[N]`` int64 source token of each row
+    token_index: torch.Tensor
+
+
+def permute(
+    tokens: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    probs: torch.Tensor | None = None,
+    *,
+    expert_order: torch.Tensor | None = None,
+) -> Permutation:
+    """Gather ``tokens`` ``[T, H]`` into one row per (token, chosen expert), sorted by expert.
+
+    ``expert_ids`` ``[T, k]`` (int) names the experts of each token; ``probs`` ``[T, k]``
+    their weights. Rows of one expert keep token order. ``expert_order`` (a permutation
+    of ``range(num_experts)``) sets the order of the expert groups; by default 0..E-1.
+    Differentiable w.r.t. ``tokens`` and ``probs``. Never syncs with the host.
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        raise ValueError(f"permute: tokens must be a 2-D tensor [tokens, hidden], got {_shape(tokens)}")
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
+        raise ValueError(
+            f"permute: expert_ids must be a 2-D tensor [tokens, top_k], got {_shape(expert_ids)}"
+        )
+    if expert_ids.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"permute: expert_ids has {expert_ids.shape[0]} rows but tokens has {tokens.shape[0]}"
+        )
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
+        raise ValueError(f"permute: expert_ids must be an integer tensor, got {expert_ids.dtype}")
+    if expert_ids.device != tokens.device:
+        raise ValueError(f"permute: expert_ids is on {expert_ids.device} but tokens on {tokens.device}")
+    if probs is not None and (not isinstance(probs, torch.Tensor) or probs.shape != expert_ids.shape):
+        raise ValueError(
+            f"permute: probs must have the shape of expert_ids {tuple(expert_ids.shape)}, got {_shape(probs)}"
+        )
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"permute: num_experts must be a positive int, got {num_experts!r}")
+    if expert_ids.device.type == "cpu" and expert_ids.numel() > 0:
+        # Range check only where it costs no device sync.
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(
+                f"permute: expert_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]"
+            )
+
+    device = tokens.device
+    top_k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1).long()
+    if expert_order is None:
+        sort_key = flat_ids
+    else:
+        if expert_order.shape != (num_experts,):
+            raise ValueError(
+                f"permute: expert_order must have shape ({num_experts},), got {tuple(expert_order.shape)}"
+            )
+        expert_order = expert_order.to(device=device, dtype=torch.long)
+        position_of_expert = torch.empty_like(expert_order)
+        position_of_expert[expert_order] = torch.arange(num_experts, device=device)
+        sort_key = position_of_expert[flat_ids]
+
+    order = torch.argsort(sort_key, stable=True)
+    token_index = torch.div(order, top_k, rounding_mode="floor")
+    rows = tokens.index_select(0, token_index)
+    sorted_probs = None if probs is None else probs.reshape(-1).index_select(0, order)
+    # scatter_add instead of bincount: bincount reads max() on the host.
+    split_sizes = torch.zeros(num_experts, dtype=torch.long, device=device)
+    split_sizes.scatter_add_(0, sort_key, torch.ones_like(sort_key))
+    return Permutation(rows, sorted_probs, split_sizes, token_index)
+
+
+# ---------------------------------------------------------------- unpermute / combine
+
+
+class _Combine(torch.autograd.Function):
+    """``out[token_index[i]] += rows[i] * probs[i]``, written into a caller buffer if given."""
+
+    @staticmethod
+    def forward(ctx, rows, probs, token_index, num_tokens, out_holder):  # noqa: ANN001, ANN205
+        # The target travels in a list so autograd does not treat it as an input: the
+        # caller's buffer must stay a plain tensor (no grad_fn), only the view we return
+        # joins the graph.
+        out = out_holder[0][:num_tokens]
+        src = rows if probs is None else rows * probs.to(rows.dtype).unsqueeze(-1)
+        low_precision = rows.dtype in (torch.float16, torch.bfloat16)
+        if low_precision:
+            acc = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+            acc.index_add_(0, token_index, src.float())
+            out.copy_(acc)
+        else:
+            out.zero_()
+            out.index_add_(0, token_index, src)
+        ctx.save_for_backward(rows if probs is not None else None, probs, token_index)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        rows, probs, token_index = ctx.saved_tensors
+        grad_per_row = grad_out.index_select(0, token_index)
+        grad_rows = grad_probs = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = (
+                grad_per_row if probs is None else grad_per_row * probs.to(grad_per_row.dtype)[:, None]
+            )
+        if probs is not None and ctx.needs_input_grad[1]:
+            grad_probs = (grad_per_row.float() * rows.float()).sum(-1).to(probs.dtype)
+        return grad_rows, grad_probs, None, None, None
+
+
+def unpermute(
+    rows: torch.Tensor,
+    token_index: torch.Tensor,
+    num_tokens: int,
+    *,
+    probs: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sum expert rows ``[N, H]`` back into token order: ``[num_tokens, H]``.
+
+    ``out[t] = sum(rows[i] * probs[i] for i with token_index[i] == t)`` (``probs`` None
+    means weight 1, as when the experts already applied the routing weights).
+    Tokens routed nowhere get zeros. ``out`` (``[>= num_tokens, H]``, contiguous, no
+    grad) receives the result, and a view of its first rows is returned. Half-precision
+    rows are accumulated in float32. Differentiable w.r.t. ``rows`` and ``probs``.
+    """
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        raise ValueError(f"unpermute: rows must be a 2-D tensor [rows, hidden], got {_shape(rows)}")
+    if not isinstance(token_index, torch.Tensor) or token_index.shape != (rows.shape[0],):
+        raise ValueError(
+            f"unpermute: token_index must have shape ({rows.shape[0]},) (a row each), got {_shape(token_index)}"
+        )
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"unpermute: num_tokens must be a non-negative int, got {num_tokens!r}")
+    if probs is not None and (not isinstance(probs, torch.Tensor) or probs.shape != (rows.shape[0],)):
+        raise ValueError(f"unpermute: probs must have shape ({rows.shape[0]},), got {_shape(probs)}")
+    if token_index.device != rows.device:
+        raise ValueError(f"unpermute: token_index is on {token_index.device} but rows on {rows.device}")
+    target = validate_or_alloc_output(
+        out,
+        (num_tokens, rows.shape[1]),
+        rows.dtype,
+        rows.device,
+        op_name="unpermute",
+        no_overlap=[t for t in (rows, probs) if t is not None],
+    )
+    return _Combine.apply(rows, probs, token_index.long(), num_tokens, [target])
+
+
+def _shape(obj: object) -> object:
+    return tuple(obj.shape) if isinstance(obj, torch.Tensor) else type(obj).__name__

@@ -1,0 +1,216 @@
+"""Expert checkpoint import/export against hand-built public layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusible_ops as fo
+from fusible_ops.checkpoint import (
+    expert_range,
+    export_grouped_keys,
+    export_per_expert,
+    export_stacked,
+    load_grouped_keys,
+    load_per_expert,
+    load_per_expert_state_dict,
+    load_stacked,
+)
+from fusible_ops.moe_layer import MoE
+
+E, H, F = 4, 6, 3
+
+
+@pytest.fixture
+def public():
+    """Per-expert gate/up/down matrices and biases: the ground truth every layout encodes."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=gen)
+
+    return {
+        "gate": [rnd(F, H) for _ in range(E)],
+        "up": [rnd(F, H) for _ in range(E)],
+        "down": [rnd(H, F) for _ in range(E)],
+        "gate_b": [rnd(F) for _ in range(E)],
+        "up_b": [rnd(F) for _ in range(E)],
+        "down_b": [rnd(H) for _ in range(E)],
+    }
+
+
+def _expected_fc1(public, e):
+    """Our fc1 layout, built row by row: gate rows first, then up rows."""
+    return torch.cat([public["gate"][e], public["up"][e]], dim=0)
+
+
+def _assert_loaded(moe, public, bias):
+    for e in range(E):
+        torch.testing.assert_close(
+            moe.experts[0].weight[e].detach(), _expected_fc1(public, e), rtol=0, atol=0
+        )
+        torch.testing.assert_close(moe.experts[2].weight[e].detach(), public["down"][e], rtol=0, atol=0)
+        if bias:
+            want = torch.cat([public["gate_b"][e], public["up_b"][e]])
+            torch.testing.assert_close(moe.experts[0].bias[e].detach(), want, rtol=0, atol=0)
+            torch.testing.assert_close(moe.experts[2].bias[e].detach(), public["down_b"][e], rtol=0, atol=0)
+
+
+def _stacked_tensors(public, transposed, interleaved):
+    """Build the public stacked layout directly from per-expert matrices (element by element)."""
+    gate_up = torch.empty(E, 2 * F, H, dtype=torch.float64)
+    gate_up_b = torch.empty(E, 2 * F, dtype=torch.float64)
+    for e in range(E):
+        for i in range(F):
+            gi, ui = (2 * i, 2 * i + 1) if interleaved else (i, F + i)
+            gate_up[e, gi], gate_up[e, ui] = public["gate"][e][i], public["up"][e][i]
+            gate_up_b[e, gi], gate_up_b[e, ui] = public["gate_b"][e][i], public["up_b"][e][i]
+    down = torch.stack(public["down"])
+    if transposed:
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    return {
+        "gate_up": gate_up,
+        "down": down,
+        "gate_up_bias": gate_up_b,
+        "down_bias": torch.stack(public["down_b"]),
+    }
+
+
+@pytest.mark.parametrize(
+    "transposed, interleaved", [(False, False), (True, False), (True, True), (False, True)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_roundtrip(public, transposed, interleaved, bias):
+    moe = MoE(H, F, E, 2, bias=bias, dtype=torch.float64)
+    tensors = _stacked_tensors(public, transposed, interleaved)
+    if not bias:
+        tensors = {k: tensors[k] for k in ("gate_up", "down")}
+    load_stacked(moe, **tensors, transposed=transposed, interleaved=interleaved)
+    _assert_loaded(moe, public, bias)
+    exported = export_stacked(moe, transposed=transposed, interleaved=interleaved)
+    assert exported.keys() == tensors.keys()
+    for k in tensors:
+        assert torch.equal(exported[k], tensors[k]), k
+
+
+def test_stacked_into_interleaved_activation(public):
+    """A model whose activation reads GPT-OSS interleaved columns stores fc1 interleaved."""
+    experts = fo.Sequential(
+        fo.GroupedLinear(E, H, 2 * F, dtype=torch.float64),
+        fo.ScaledSwiGLU(glu_interleave_size=1),
+        fo.GroupedLinear(E, F, H, dtype=torch.float64),
+    )
+    tensors = _stacked_tensors(public, transposed=True, interleaved=True)
+    load_stacked(experts, tensors["gate_up"], tensors["down"], transposed=True, interleaved=True)
+    assert torch.equal(experts[0].weight.detach(), tensors["gate_up"].transpose(1, 2))
+    # the experts compute the same function as with the plain layout
+    plain = MoE(H, F, E, 1, dtype=torch.float64)
+    load_stacked(plain, tensors["gate_up"], tensors["down"], transposed=True, interleaved=True)
+    x = torch.randn(5, H, dtype=torch.float64)
+    splits, probs = [2, 0, 3, 0], torch.rand(5, dtype=torch.float64)
+    torch.testing.assert_close(experts(x, splits, probs, splits), plain.experts(x, splits, probs, splits))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_per_expert_roundtrip(public, bias):
+    moe = MoE(H, F, E, 2, bias=bias, dtype=torch.float64)
+    biases = {"b1": public["gate_b"], "b3": public["up_b"], "b2": public["down_b"]} if bias else {}
+    load_per_expert(moe, public["gate"], public["down"], public["up"], **biases)
+    _assert_loaded(moe, public, bias)
+    exported = export_per_expert(moe)
+    assert sorted(exported) == sorted(["w1", "w2", "w3", *biases])
+    for name, source in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+        for e in range(E):
+            assert torch.equal(exported[name][e], public[source][e])
+
+
+def test_per_expert_state_dict_mixtral_and_qwen_names(public):
+    for names in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")):
+        sd = {}
+        for e in range(E):
+            for name, source in zip(names, ("gate", "up", "down")):
+                sd[f"block_sparse_moe.experts.{e}.{name}.weight"] = public[source][e].float()
+        moe = MoE(H, F, E, 2, dtype=torch.float64)
+        load_per_expert_state_dict(moe, sd, prefix="block_sparse_moe.experts.", names=names)
+        for e in range(E):
+            torch.testing.assert_close(
+                moe.experts[0].weight[e].detach(), _expected_fc1(public, e).float().double()
+            )
+
+
+def test_grouped_keys_roundtrip(public):
+    moe = MoE(H, F, E, 2, bias=True, dtype=torch.float64)
+    sd = {}
+    for e in range(E):
+        sd[f"experts.0.weight{e}"] = _expected_fc1(public, e)
+        sd[f"experts.2.weight{e}"] = public["down"][e]
+        sd[f"experts.0.bias{e}"] = torch.cat([public["gate_b"][e], public["up_b"][e]])
+        sd[f"experts.2.bias{e}"] = public["down_b"][e]
+    load_grouped_keys(moe, sd)
+    _assert_loaded(moe, public, bias=True)
+    exported = export_grouped_keys(moe)
+    assert exported.keys() == sd.keys()
+    assert all(torch.equal(exported[k], sd[k]) for k in sd)
+
+
+def test_non_gated_srelu_layouts():
+    moe = MoE(H, F, E, 2, activation="srelu", dtype=torch.float64)
+    up = torch.randn(E, F, H, dtype=torch.float64)
+    down = torch.randn(E, H, F, dtype=torch.float64)
+    load_stacked(moe, up, down)
+    assert torch.equal(moe.experts[0].weight.detach(), up)
+    assert torch.equal(export_stacked(moe)["gate_up"], up)
+    with pytest.raises(ValueError, match="interleaved"):
+        load_stacked(moe, up, down, interleaved=True)
+    with pytest.raises(ValueError, match="no w3"):
+        load_per_expert(moe, list(up), list(down), list(up))
+
+
+class _FakeEPRank(torch.nn.Module):
+    """An MoE-shaped module as rank 1 of 2 would see it: experts 2 and 3 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts, self.ep_rank = E, 1
+        self.experts = MoE(H, F, E // 2, 1, dtype=torch.float64).experts
+
+
+def test_under_expert_parallelism_only_local_experts_are_read(public):
+    shard = _FakeEPRank()
+    assert list(expert_range(shard)) == [2, 3]
+    tensors = _stacked_tensors(public, transposed=False, interleaved=False)
+    load_stacked(shard, tensors["gate_up"], tensors["down"])
+    for i, e in enumerate((2, 3)):
+        assert torch.equal(shard.experts[0].weight[i].detach(), _expected_fc1(public, e))
+    # a mapping with only this rank's experts is enough
+    only_mine = {e: public["gate"][e] for e in (2, 3)}
+    load_per_expert(
+        shard, only_mine, {e: public["down"][e] for e in (2, 3)}, {e: public["up"][e] for e in (2, 3)}
+    )
+    exported = export_per_expert(shard)
+    assert sorted(exported["w1"]) == [2, 3]
+    assert sorted(export_grouped_keys(shard)) == sorted(
+        f"experts.{i}.weight{e}" for i in (0, 2) for e in (2, 3)
+    )
+
+
+def test_bad_checkpoints_raise_and_leave_weights_unchanged(public):
+    moe = MoE(H, F, E, 2, dtype=torch.float64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    tensors = _stacked_tensors(public, transposed=False, interleaved=False)
+    with pytest.raises(ValueError, match="down has shape"):
+        load_stacked(moe, tensors["gate_up"], tensors["down"].transpose(1, 2))
+    with pytest.raises(ValueError, match="gate_up has shape"):
+        load_stacked(moe, tensors["gate_up"][:3], tensors["down"])
+    with pytest.raises(ValueError, match="have no biases"):
+        load_stacked(moe, **tensors)
+    with pytest.raises(ValueError, match="no entry for expert 3"):
+        load_per_expert(moe, public["gate"][:3], public["down"], public["up"])
+    with pytest.raises(ValueError, match=r"w3\[1\] has shape"):
+        load_per_expert(
+            moe, public["gate"], public["down"], [public["up"][0], public["down"][1], *public["up"][2:]]
+        )
+    with pytest.raises(ValueError, match="missing key"):
+        load_grouped_keys(moe, {"experts.0.weight0": tensors["gate_up"][0]})
+    for k, v in moe.state_dict().items():
+        assert torch.equal(v, before[k]), k
