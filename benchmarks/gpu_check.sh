@@ -67,18 +67,13 @@ step triton_tests 600 python -m pytest -q -p no:cacheprovider -rs tests/test_tri
     --junitxml="$OUT_DIR/triton_tests.xml"
 step info 120 python -m fusible_ops info
 
-# The bench's "fused" variant runs with the backend forced to "triton" (grouped_mm and
-# dense are independent of the backend setting).
+# The bench's fused and unfused variants run with the backend forced to "triton"
+# (grouped_mm and dense are independent of the backend setting).
 bench() {  # bench NAME [shape flags...]
     local name=$1
     shift
-    step "$name" 900 python -c '
-import sys
-import fusible_ops as fo
-from fusible_ops.__main__ import main
-with fo.settings(backend="triton"):
-    sys.exit(main(sys.argv[1:]))
-' bench --device cuda --repeats "$REPEATS" --json "$OUT_DIR/$name.json" "$@"
+    step "$name" 900 python -m fusible_ops bench --device cuda --backend triton --repeats "$REPEATS" \
+        --json "$OUT_DIR/$name.json" "$@"
 }
 bench bench_default
 bench bench_large --experts 8 --hidden 4096 --ffn 14336 --rows 32768

@@ -357,7 +357,9 @@ def main(args) -> int:
     shape = Shape(**{**asdict(shape), **overrides})
     dtype = getattr(torch, args.dtype)
     repeats = args.repeats if args.repeats is not None else (50 if args.small else 10)
-    results = run_bench(shape, dtype, args.device, repeats=repeats, warmup=3 if args.small else 2)
+    with fo.settings(backend=args.backend):
+        results = run_bench(shape, dtype, args.device, repeats=repeats, warmup=3 if args.small else 2)
+    results["backend_setting"] = args.backend
     if args.moe_ep:
         from .moe_ep_bench import run_moe_ep_bench
 

@@ -17,8 +17,19 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def devices() -> list[tuple[torch.device, str]]:
-    found = [(torch.device("cpu"), platform.processor() or platform.machine())]
+    found = [(torch.device("cpu"), f"{_cpu_name()}, {torch.backends.cpu.get_cpu_capability()}")]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
@@ -46,8 +57,11 @@ def main(args=None) -> int:
             description = f"(module failed to import: {error})"
         print(f"  {name}: {description}")
         for device, _ in devices():
+            by_status: dict[str, list[str]] = {}
             for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
                 reason = dict(backend_report(device, dtype))[name]
                 status = "available" if reason is None else f"unavailable: {reason}"
-                print(f"    {device.type} {str(dtype).replace('torch.', ''):<9} {status}")
+                by_status.setdefault(status, []).append(str(dtype).replace("torch.", ""))
+            for status, dtypes in by_status.items():
+                print(f"    {device} {'/'.join(dtypes)}: {status}")
     return 0

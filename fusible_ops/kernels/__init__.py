@@ -64,7 +64,9 @@ def get_backend(name: str) -> GroupedGemmBackend:
     return backend
 
 
-def probe_backend(name: str, device: torch.device, dtype: torch.dtype, *, automatic: bool = False) -> str | None:
+def probe_backend(
+    name: str, device: torch.device, dtype: torch.dtype, *, automatic: bool = False
+) -> str | None:
     """``None`` when ``name`` can run on ``device``/``dtype``, else the reason.
 
     ``automatic=True`` asks whether automatic selection may pick it (some backends
