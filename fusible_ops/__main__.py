@@ -19,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--small", action="store_true", help="4 experts, hidden 64, ffn 64, 64 rows")
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    bench.add_argument("--backend", default="auto", help="force a kernel backend (names: python -m fusible_ops info)")
+    bench.add_argument(
+        "--backend", default="auto", help="force a kernel backend (names: python -m fusible_ops info)"
+    )
     bench.add_argument("--experts", type=int)
     bench.add_argument("--hidden", type=int)
     bench.add_argument("--ffn", type=int)

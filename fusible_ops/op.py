@@ -161,7 +161,9 @@ class FusedOperation(FusibleOperation):
 
     is_fused_op = True
 
-    def __init__(self, basic_ops: Sequence[BasicOperation], *, backend: str | None = None, note: str = "") -> None:
+    def __init__(
+        self, basic_ops: Sequence[BasicOperation], *, backend: str | None = None, note: str = ""
+    ) -> None:
         self.basic_ops = tuple(basic_ops)
         self.backend = backend
         #: shown in the plan next to the decision that built this op (e.g. skipped backends)

@@ -274,16 +274,36 @@ def test_cpu_backend_refuses_other_devices():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_grouped_mm_on_cuda_matches_loop():
+def test_grouped_mm_on_cuda_matches_reference_without_host_sync():
     backend = TorchGroupedMMBackend()
     dev = torch.device("cuda")
-    if backend.probe(dev, torch.bfloat16) is not None:
-        pytest.skip(backend.probe(dev, torch.bfloat16))
+    reason = backend.probe(dev, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
     split_sizes = [5, 0, 11, 8]
     x = torch.randn(24, 32, device=dev).bfloat16()
     weight = torch.randn(4, 16, 32, device=dev).bfloat16()
-    y = backend.fprop(x, weight, None, offsets_of(split_sizes).to(dev))
-    assert_close(y.cpu(), ref_fprop(x.cpu(), weight.cpu(), split_sizes), torch.bfloat16, "cuda fprop")
+    bias = torch.randn(4, 16, device=dev).bfloat16()
+    grad_out = torch.randn(24, 16, device=dev).bfloat16()
+    offsets = offsets_of(split_sizes).to(dev)
+    out = torch.full((24, 16), 5.0, device=dev).bfloat16()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync below raises
+    try:
+        y = backend.fprop(x, weight, None, offsets, bias=bias, out=out)
+        dx = backend.dgrad(grad_out, weight, None, offsets)
+        dw = backend.wgrad(grad_out, x, None, offsets)
+        db = backend.bias_grad(grad_out, None, offsets, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert y.data_ptr() == out.data_ptr()
+    cpu = torch.device("cpu")
+    assert_close(
+        y.to(cpu), ref_fprop(x.cpu(), weight.cpu(), split_sizes, bias.cpu()), torch.bfloat16, "fprop"
+    )
+    assert_close(dx.to(cpu), ref_dgrad(grad_out.cpu(), weight.cpu(), split_sizes), torch.bfloat16, "dgrad")
+    assert_close(dw.to(cpu), ref_wgrad(grad_out.cpu(), x.cpu(), split_sizes), torch.bfloat16, "wgrad")
+    assert_close(db.to(cpu), ref_bias_grad(grad_out.cpu(), split_sizes), torch.bfloat16, "bias_grad")
 
 
 # ---------------------------------------------------------------- fused activation entry points
@@ -369,3 +389,13 @@ def test_random_splits_fp64(split_sizes, backend_name, row_block, kind):
     if isinstance(backend, TorchCpuBackend):
         backend.row_block = row_block
     _check_fused_entry_points(backend, dtype, ActivationSpec(kind), split_sizes, scaled=True, with_bias=True)
+
+
+def test_cpu_default_blocking_spans_groups():
+    """The byte-sized default blocks (16-row minimum here) cut groups in several blocks."""
+    backend = TorchCpuBackend()
+    backend.block_bytes = 1  # -> 16-row blocks
+    assert backend.row_block is None
+    _check_fused_entry_points(
+        backend, torch.float64, ActivationSpec("swiglu"), [20, 0, 37], scaled=True, with_bias=True
+    )
