@@ -1,6 +1,6 @@
 """Side-by-side CPU candidates for the grouped MLP's GEMMs and activation passes.
 
-Run: ``python benchmarks/cpu_gemm_candidates.py [--rounds 7] [--sections gemm,act,e2e] [--compile]``
+Run: ``python benchmarks/cpu_gemm_candidates.py [--rounds 7] [--sections gemm,act,e2e,small] [--compile]``
 
 All candidates of a section run in one process, interleaved round by round (so load
 from other processes hits them alike); the table reports medians over rounds and
@@ -336,14 +336,16 @@ def dense_bound(p: Problem) -> None:
 
 
 def e2e_section(p: Problem, rounds: int) -> None:
-    big_blocks = TorchCpuBackend()
-    big_blocks.row_block = 1024
+    # one instance per backend, as the registry keeps them (the cpu backend's output pool lives there)
+    cpu, loop, gmm = TorchCpuBackend(), TorchLoopBackend(), TorchGroupedMMBackend()
+    cpu_no_reuse = TorchCpuBackend()
+    cpu_no_reuse.reuse_buffers = False
     candidates = {
         "dense bound (6 x torch.mm)": lambda: dense_bound(p),
-        "cpu backend (fused act)": lambda: mlp_fwd_bwd(TorchCpuBackend(), p),
-        "cpu backend, row_block=1024": lambda: mlp_fwd_bwd(big_blocks, p),
-        "torch_loop backend (composed act)": lambda: mlp_fwd_bwd(TorchLoopBackend(), p),
-        "grouped_mm backend (composed act)": lambda: mlp_fwd_bwd(TorchGroupedMMBackend(), p),
+        "cpu backend (fused act)": lambda: mlp_fwd_bwd(cpu, p),
+        "cpu backend, reuse_buffers=False": lambda: mlp_fwd_bwd(cpu_no_reuse, p),
+        "torch_loop backend (composed act)": lambda: mlp_fwd_bwd(loop, p),
+        "grouped_mm backend (composed act)": lambda: mlp_fwd_bwd(gmm, p),
     }
     flops = sum(p.gemm_flops.values())
     print_table(
@@ -354,10 +356,43 @@ def e2e_section(p: Problem, rounds: int) -> None:
     )
 
 
+def small_section(rounds: int, dtype: torch.dtype) -> None:
+    """Tiny problems: one dense GEMM over all groups (the cpu default) vs one GEMM per group."""
+    dense_path, per_group = TorchCpuBackend(), TorchCpuBackend()
+    per_group.small_problem_macs = 0
+    print(
+        f"\n### tiny shapes, forward+backward kernels (cpu small_problem_macs = {dense_path.small_problem_macs})\n"
+    )
+    print(
+        "| experts | rows | hidden | ffn | fc1 groups*rows*out*in | dense-over-groups us | per-group us | ratio |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    shapes = [
+        (64, 64, [34, 0, 14, 16]),  # the bench --small shape
+        (64, 64, [0, 0, 64, 32, 32, 32, 32, 64]),
+        (128, 128, [0, 0, 128, 64, 64, 64, 64, 128]),
+        (128, 128, [0, 0, 256, 128, 128, 128, 128, 256]),
+    ]
+    for hidden, ffn, splits in shapes:
+        p = Problem(dtype, splits, hidden, ffn)
+        medians = run_interleaved(
+            {
+                "dense": lambda p=p: mlp_fwd_bwd(dense_path, p),
+                "per_group": lambda p=p: mlp_fwd_bwd(per_group, p),
+            },
+            rounds * 10,
+        )
+        macs = len(splits) * p.rows * 2 * ffn * hidden
+        print(
+            f"| {len(splits)} | {p.rows} | {hidden} | {ffn} | {macs:.3g} | {medians['dense'] * 1e6:.0f} | "
+            f"{medians['per_group'] * 1e6:.0f} | {medians['dense'] / medians['per_group']:.2f} |"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--sections", default="gemm,act,e2e")
+    parser.add_argument("--sections", default="gemm,act,e2e,small")
     parser.add_argument("--compile", action="store_true", help="add torch.compile'd pointwise candidates")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args(argv)
@@ -376,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
             activation_section(p, args.rounds, args.compile)
         if "e2e" in sections:
             e2e_section(p, args.rounds)
+        if "small" in sections:
+            small_section(args.rounds, dtype)
 
 
 if __name__ == "__main__":

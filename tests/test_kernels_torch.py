@@ -16,13 +16,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusible_ops.kernels.activation import ActivationSpec
+from fusible_ops.kernels.cpu_buffer_pool import CpuBufferPool
 from fusible_ops.kernels.torch_cpu import TorchCpuBackend
 from fusible_ops.kernels.torch_grouped_mm import TorchGroupedMMBackend
 from fusible_ops.kernels.torch_loop import TorchLoopBackend
 
+
+def _cpu_per_group() -> TorchCpuBackend:
+    """The cpu backend with its one-dense-GEMM path for tiny problems turned off."""
+    backend = TorchCpuBackend()
+    backend.small_problem_macs = 0
+    return backend
+
+
 BACKENDS = {
     "torch_loop": TorchLoopBackend,
-    "cpu": TorchCpuBackend,
+    "cpu": TorchCpuBackend,  # the test shapes are tiny: its one-dense-GEMM path
+    "cpu_per_group": _cpu_per_group,
     "grouped_mm": TorchGroupedMMBackend,
 }
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)
@@ -399,3 +409,66 @@ def test_cpu_default_blocking_spans_groups():
     _check_fused_entry_points(
         backend, torch.float64, ActivationSpec("swiglu"), [20, 0, 37], scaled=True, with_bias=True
     )
+
+
+# ---------------------------------------------------------------- output buffer reuse (cpu backend)
+
+
+def test_buffer_pool_reuses_only_unreferenced_storage():
+    pool = CpuBufferPool(min_bytes=0, max_buffers=4)
+    first = pool.empty((64, 32), torch.float32, torch.device("cpu"))
+    ptr = first.data_ptr()
+    held_view = first[3:]
+    del first
+    second = pool.empty((64, 32), torch.float32, torch.device("cpu"))
+    assert second.data_ptr() != ptr, "a storage still referenced by a view was handed out again"
+    del held_view, second
+    third = pool.empty((64, 32), torch.float32, torch.device("cpu"))
+    assert third.data_ptr() == ptr, "a free storage was not reused"
+    assert third._base is None and third.is_contiguous() and third.shape == (64, 32)
+    other = pool.empty((32, 64), torch.float32, torch.device("cpu"))  # other shape: new storage
+    assert other.data_ptr() != ptr
+    pool.clear()
+    assert pool.kept_bytes() == 0
+
+
+def test_buffer_pool_respects_autograd_saved_tensors():
+    pool = CpuBufferPool(min_bytes=0)
+    buf = pool.empty((8, 8), torch.float32, torch.device("cpu")).fill_(2.0)
+    ptr = buf.data_ptr()
+    w = torch.ones(8, 8, requires_grad=True)
+    loss = (buf * w).sum()  # autograd saves buf for w's gradient
+    del buf
+    again = pool.empty((8, 8), torch.float32, torch.device("cpu"))
+    assert again.data_ptr() != ptr
+    again.fill_(-1.0)
+    loss.backward()
+    assert (w.grad == 2.0).all()
+
+
+def test_cpu_backend_reused_outputs_never_alias_live_results():
+    backend = TorchCpuBackend()
+    backend.buffers = CpuBufferPool(min_bytes=0)
+    backend.row_block = 5
+    spec = ActivationSpec("swiglu")
+    split_sizes = [7, 0, 9]
+    x = randn(16, 8, dtype=torch.float64)
+    w1 = randn(3, 16, 8, dtype=torch.float64)
+    w2 = randn(3, 8, 8, dtype=torch.float64)
+    grad_y = randn(16, 8, dtype=torch.float64)
+    scales = torch.rand(16, dtype=torch.float64)
+    offsets = offsets_of(split_sizes)
+
+    pre, act = backend.fc1_fprop_act(x, w1, None, split_sizes, offsets, spec, scales)
+    grad_pre, _, act_bwd = backend.fc2_dgrad_act(grad_y, w2, pre, split_sizes, offsets, spec, scales)
+    kept = [t.clone() for t in (pre, act, grad_pre, act_bwd)]
+    pre2, act2 = backend.fc1_fprop_act(2 * x, w1, None, split_sizes, offsets, spec, scales)
+    ptrs = {t.data_ptr() for t in (pre, act, grad_pre, act_bwd)}
+    assert pre2.data_ptr() not in ptrs and act2.data_ptr() not in ptrs
+    for live, copy in zip((pre, act, grad_pre, act_bwd), kept):
+        assert torch.equal(live, copy)
+    freed = {pre.data_ptr(), pre2.data_ptr()}
+    del pre, act, pre2, act2
+    pre3, _ = backend.fc1_fprop_act(x, w1, None, split_sizes, offsets, spec, scales)
+    assert pre3.data_ptr() in freed, "a freed output storage was not reused"
+    assert torch.equal(pre3, kept[0])

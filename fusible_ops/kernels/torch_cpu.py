@@ -1,19 +1,22 @@
-"""CPU backend tuned for bf16/fp32 on oneDNN (``torch.mm``), with the activation fused by row blocks.
+"""CPU backend tuned for bf16/fp32 on oneDNN / MKL (``torch.mm``), activation fused by row blocks.
 
-Measured on the development machine (see ``docs/benchmarks-cpu-kernels.md`` and
+Measured on the development machine (``docs/benchmarks-cpu-kernels.md``,
 ``benchmarks/cpu_gemm_candidates.py``):
 
-- per-group ``torch.mm(..., out=slice)`` runs at the speed of one dense ``torch.mm``
-  of the same total size, and writes caller buffers with no copy; operand transposes
-  (pre-transposed weights, contiguous ``grad_out.T`` for wgrad) did not pay for
-  their copy, so the GEMMs are the ones of :class:`TorchLoopBackend`;
-- the activation passes are the part worth fusing: on full ``[M, 2F]`` tensors every
-  eager op streams through DRAM and page-faults its fresh temporaries; processed in
-  blocks of about ``block_bytes`` of ``pre`` the block and its temporaries stay in
-  the last-level cache and the allocator reuses them. FC2's dgrad writes ``grad_act`` into the memory of the recomputed
-  activation, which each block then overwrites, so no ``[M, F]`` temporary exists.
-  SwiGLU (gate-first halves) has a hand-written pass with fewer temporaries; every
-  other activation runs the reference math of :mod:`.activation` block by block.
+- per-group ``torch.mm(..., out=slice)`` runs within a few percent of one dense
+  ``torch.mm`` of the same total size and writes caller buffers with no copy;
+  ``torch._grouped_mm``, pre-transposed weights and contiguous ``grad_out.T`` for the
+  wgrads were no faster, so the GEMMs are those of :class:`TorchLoopBackend`, except
+  that a bias is added after ``torch.mm`` (faster than ``torch.addmm`` here);
+- the activation passes are processed in blocks of about ``block_bytes`` of ``pre``,
+  so each block and its temporaries stay in cache. FC2's dgrad writes ``grad_act``
+  into the memory of the recomputed activation, which each block then overwrites,
+  so no ``[M, F]`` temporary exists. SwiGLU (gate-first halves) has a hand-written
+  pass; every other activation runs the reference math of :mod:`.activation` per block;
+- large outputs reuse storages the caller has dropped (:class:`CpuBufferPool`), which
+  avoids page-faulting tens of MB per step.
+
+Kernels run with autograd disabled (inside the fuser's ``autograd.Function``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from __future__ import annotations
 import torch
 
 from .activation import ActivationSpec, activation_backward, activation_forward
-from .grouped_checks import check_bias, check_operands, check_weight
-from .torch_loop import TorchLoopBackend
+from .cpu_buffer_pool import CpuBufferPool
+from .grouped_checks import check_operands, check_weight
+from .torch_loop import TorchLoopBackend, _row_ranges
 
 
 def _blocks(start: int, end: int, block: int):
@@ -118,10 +122,10 @@ def _generic_backward_block(
 
 
 class TorchCpuBackend(TorchLoopBackend):
-    """Per-group oneDNN GEMMs into ``out`` slices, activation+scale fused by row blocks."""
+    """Per-group ``torch.mm`` GEMMs into ``out`` slices, activation+scale fused by row blocks."""
 
     name = "cpu"
-    description = "per-group torch.mm (oneDNN) into out slices, activation+scale fused in L2-sized row blocks"
+    description = "per-group torch.mm into out slices, activation+scale fused in cache-sized row blocks"
     fused_activation = True
     writes_in_place = True
     #: bytes of ``pre`` per activation block: big enough that each torch op is a long
@@ -130,6 +134,18 @@ class TorchCpuBackend(TorchLoopBackend):
     block_bytes: int = 4 << 20
     #: fixed rows per block instead of ``block_bytes`` (tests use tiny blocks)
     row_block: int | None = None
+    #: reuse large output storages once nothing refers to them (see :mod:`.cpu_buffer_pool`)
+    reuse_buffers: bool = True
+
+    #: problems of at most this many multiply-adds per GEMM when run as one dense GEMM
+    #: over all groups (``groups * rows * out * in``) do exactly that: one ``torch.mm``
+    #: instead of one per group, which at tiny shapes is dominated by per-call cost
+    #: (measured: faster up to 2**24, slower at 2**27, see docs/benchmarks-cpu-kernels.md)
+    small_problem_macs: int = 1 << 24
+
+    def __init__(self) -> None:
+        self.buffers = CpuBufferPool()
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def probe(self, device: torch.device, dtype: torch.dtype) -> str | None:
         if torch.device(device).type != "cpu":
@@ -138,35 +154,52 @@ class TorchCpuBackend(TorchLoopBackend):
             return f"{self.name}: dtype {dtype} is not a floating-point dtype"
         return None
 
-    # ------------------------------------------------------------ grouped GEMMs
-    def fprop(
+    # ------------------------------------------------------------ GEMM bodies (after validation)
+    def _fprop_groups(
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``: ``[M, K] -> [M, N]``.
+        bias: torch.Tensor | None,
+        sizes: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        groups, n_out, k_in = weight.shape
+        covered = sum(sizes)
+        if self._is_small(groups, covered, n_out, k_in):
+            # one GEMM against every group's weight, then each row picks its group's columns
+            _, flat_rows, group_ids = self._group_tables(sizes, x.device, x.dtype)
+            every_group = torch.mm(x[:covered], weight.reshape(groups * n_out, k_in).t())
+            torch.index_select(every_group.view(covered * groups, n_out), 0, flat_rows, out=out[:covered])
+            if bias is not None:
+                out[:covered].add_(bias.index_select(0, group_ids))
+            return
+        # the bias is added after torch.mm: faster than torch.addmm with oneDNN bf16 here
+        for g, start, end in _row_ranges(sizes):
+            torch.mm(x[start:end], weight[g].t(), out=out[start:end])
+            if bias is not None:
+                out[start:end].add_(bias[g])
 
-        The bias is added after the GEMM (``torch.mm`` then ``add_``), which measured
-        faster than ``torch.addmm`` with oneDNN bf16 here.
-        """
-        if bias is None:
-            return super().fprop(x, weight, split_sizes, offsets, out=out)
-        where = f"{self.name}.fprop"
-        if weight.dim() == 3:
-            check_bias(where, bias, weight.shape[0], weight.shape[1], x.dtype)
-        out = super().fprop(x, weight, split_sizes, offsets, out=out)
-        sizes = self._sizes(where, split_sizes, offsets, x)
-        start = 0
-        for g, size in enumerate(sizes):
-            if size:
-                out[start : start + size].add_(bias[g])
-            start += size
-        return out
+    def _dgrad_groups(
+        self, grad_out: torch.Tensor, weight: torch.Tensor, sizes: list[int], out: torch.Tensor
+    ) -> None:
+        groups, n_out, k_in = weight.shape
+        covered = sum(sizes)
+        if self._is_small(groups, covered, n_out, k_in):
+            masked = self._mask_by_group(grad_out[:covered], sizes)
+            torch.mm(masked, weight.reshape(groups * n_out, k_in), out=out[:covered])
+            return
+        super()._dgrad_groups(grad_out, weight, sizes, out)
+
+    def _wgrad_groups(
+        self, grad_out: torch.Tensor, x: torch.Tensor, sizes: list[int], out: torch.Tensor
+    ) -> None:
+        groups, n_out, k_in = out.shape
+        covered = sum(sizes)
+        if self._is_small(groups, covered, n_out, k_in) and out.is_contiguous():
+            masked = self._mask_by_group(grad_out[:covered], sizes)  # empty groups -> zero rows of out
+            torch.mm(masked.t(), x[:covered], out=out.view(groups * n_out, k_in))
+            return
+        super()._wgrad_groups(grad_out, x, sizes, out)
 
     # ------------------------------------------------------------ fused entry points
     def fc1_fprop_act(
@@ -183,9 +216,7 @@ class TorchCpuBackend(TorchLoopBackend):
         where = f"{self.name}.fc1_fprop_act"
         self._check_act_inputs(where, activation, weight.shape[1], scales, x.shape[0], x.device)
         pre = self.fprop(x, weight, split_sizes, offsets, bias=bias)
-        act = torch.empty(
-            pre.shape[0], activation.output_features(pre.shape[1]), dtype=pre.dtype, device=pre.device
-        )
+        act = self._empty((pre.shape[0], activation.output_features(pre.shape[1])), pre)
         fast = self._is_fast_swiglu(activation)
         for s, e in _blocks(0, pre.shape[0], self._block_rows(pre)):
             block_scales = None if scales is None else scales[s:e]
@@ -232,8 +263,8 @@ class TorchCpuBackend(TorchLoopBackend):
         self._check_act_inputs(where, activation, pre.shape[1], scales, rows, grad_y.device)
         sizes = self._sizes(where, split_sizes, offsets, grad_y)
 
-        grad_pre = torch.empty_like(pre, memory_format=torch.contiguous_format)
-        act = torch.empty(rows, act_features, dtype=pre.dtype, device=pre.device)
+        grad_pre = self._empty(tuple(pre.shape), pre)
+        act = self._empty((rows, act_features), pre)
         grad_scales = None if scales is None else torch.empty(rows, dtype=scales.dtype, device=scales.device)
         covered = sum(sizes)
         if covered < rows:
@@ -259,6 +290,38 @@ class TorchCpuBackend(TorchLoopBackend):
         return grad_pre, grad_scales, act
 
     # ------------------------------------------------------------ helpers
+    def _is_small(self, groups: int, rows: int, n_out: int, k_in: int) -> bool:
+        return rows > 0 and groups * rows * n_out * k_in <= self.small_problem_macs
+
+    def _group_tables(
+        self, sizes: list[int], device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(one_hot [c, G] of dtype, flat_rows [c], group_ids [c])`` for the covered rows, cached."""
+        key = (tuple(sizes), device, dtype)
+        tables = self._tables.get(key)
+        if tables is None:
+            groups = len(sizes)
+            group_ids = torch.repeat_interleave(
+                torch.arange(groups, device=device), torch.tensor(sizes, device=device)
+            )
+            flat_rows = torch.arange(group_ids.numel(), device=device) * groups + group_ids
+            one_hot = torch.nn.functional.one_hot(group_ids, groups).to(dtype)
+            tables = (one_hot, flat_rows, group_ids)
+            if len(self._tables) >= 8:
+                self._tables.pop(next(iter(self._tables)))
+            self._tables[key] = tables
+        return tables
+
+    def _mask_by_group(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """``[c, N] -> [c, G * N]``: each row in its group's column block, zeros elsewhere."""
+        one_hot = self._group_tables(sizes, rows.device, rows.dtype)[0]
+        return (one_hot.unsqueeze(-1) * rows.unsqueeze(1)).reshape(rows.shape[0], -1)
+
+    def _empty(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        if self.reuse_buffers:
+            return self.buffers.empty(shape, like.dtype, like.device)
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
     def _block_rows(self, pre: torch.Tensor) -> int:
         if self.row_block is not None:
             return max(1, self.row_block)

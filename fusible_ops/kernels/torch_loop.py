@@ -70,11 +70,7 @@ class TorchLoopBackend(GroupedGemmBackend):
         sizes = self._sizes(where, split_sizes, offsets, x)
         if out is None:
             out = self._alloc_rows(x.shape[0], n_out, sizes, x)
-        for g, start, end in _row_ranges(sizes):
-            if bias is None:
-                torch.mm(x[start:end], weight[g].t(), out=out[start:end])
-            else:
-                torch.addmm(bias[g], x[start:end], weight[g].t(), out=out[start:end])
+        self._fprop_groups(x, weight, bias, sizes, out)
         return out
 
     def dgrad(
@@ -101,8 +97,7 @@ class TorchLoopBackend(GroupedGemmBackend):
         sizes = self._sizes(where, split_sizes, offsets, grad_out)
         if out is None:
             out = self._alloc_rows(grad_out.shape[0], k_in, sizes, grad_out)
-        for g, start, end in _row_ranges(sizes):
-            torch.mm(grad_out[start:end], weight[g], out=out[start:end])
+        self._dgrad_groups(grad_out, weight, sizes, out)
         return out
 
     def wgrad(
@@ -125,14 +120,8 @@ class TorchLoopBackend(GroupedGemmBackend):
         check_out(where, out, shape, x.dtype, x.device)
         sizes = self._sizes(where, split_sizes, offsets, x)
         if out is None:
-            out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        start = 0
-        for g, size in enumerate(sizes):
-            if size:
-                torch.mm(grad_out[start : start + size].t(), x[start : start + size], out=out[g])
-            else:
-                out[g].zero_()
-            start += size
+            out = self._empty(shape, x)
+        self._wgrad_groups(grad_out, x, sizes, out)
         return out
 
     def bias_grad(
@@ -151,6 +140,38 @@ class TorchLoopBackend(GroupedGemmBackend):
             torch.sum(grad_out[start:end], dim=0, dtype=acc_dtype, out=acc[g])
         return acc.to(grad_out.dtype)
 
+    # ------------------------------------------------------------ GEMM bodies (after validation)
+    def _fprop_groups(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        sizes: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        for g, start, end in _row_ranges(sizes):
+            if bias is None:
+                torch.mm(x[start:end], weight[g].t(), out=out[start:end])
+            else:
+                torch.addmm(bias[g], x[start:end], weight[g].t(), out=out[start:end])
+
+    def _dgrad_groups(
+        self, grad_out: torch.Tensor, weight: torch.Tensor, sizes: list[int], out: torch.Tensor
+    ) -> None:
+        for g, start, end in _row_ranges(sizes):
+            torch.mm(grad_out[start:end], weight[g], out=out[start:end])
+
+    def _wgrad_groups(
+        self, grad_out: torch.Tensor, x: torch.Tensor, sizes: list[int], out: torch.Tensor
+    ) -> None:
+        start = 0
+        for g, size in enumerate(sizes):
+            if size:
+                torch.mm(grad_out[start : start + size].t(), x[start : start + size], out=out[g])
+            else:
+                out[g].zero_()
+            start += size
+
     # ------------------------------------------------------------ helpers
     @staticmethod
     def _sizes(
@@ -161,10 +182,13 @@ class TorchLoopBackend(GroupedGemmBackend):
             raise ValueError(f"{where}: offsets end at {sum(sizes)} but the input has {rows.shape[0]} rows")
         return sizes
 
-    @staticmethod
-    def _alloc_rows(rows: int, cols: int, sizes: list[int], like: torch.Tensor) -> torch.Tensor:
+    def _empty(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """Uninitialised contiguous output of ``like``'s dtype and device (subclasses may pool)."""
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+    def _alloc_rows(self, rows: int, cols: int, sizes: list[int], like: torch.Tensor) -> torch.Tensor:
         """``[rows, cols]``; rows past the last group (not computed) are zeros, not garbage."""
-        out = torch.empty(rows, cols, dtype=like.dtype, device=like.device)
+        out = self._empty((rows, cols), like)
         covered = sum(sizes)
         if covered < rows:
             out[covered:].zero_()
