@@ -1,0 +1,99 @@
+"""Reuse of large CPU output buffers once every tensor using them is gone.
+
+PyTorch's CPU allocator hands large blocks (over glibc's mmap threshold, at most
+32 MB) back to the OS when they are freed, so the next step's tensor of the same size
+is page-faulted again on first write, 4 KiB at a time. For the grouped MLP's
+``[tokens, 2 * ffn]`` outputs that costs more than the activation math itself.
+
+:class:`CpuBufferPool` keeps the storages it handed out and gives one back only when
+the C++ use count of that storage shows that no tensor, view, saved-for-backward
+tensor or NumPy array refers to it any more, so a caller can never see its data
+change under it. Each handed-out tensor is a fresh tensor object over the storage
+(not a view), so autograd's view tracking is not involved.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+
+def _storage_use_count(storage: torch.UntypedStorage) -> int | None:
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # private API; without it nothing is ever reused
+        return None
+    return int(use_count(storage._cdata))
+
+
+class CpuBufferPool:
+    """A bounded set of reusable CPU storages, keyed by ``(shape, dtype)``.
+
+    ``min_bytes``: smaller requests are plain ``torch.empty`` (the allocator reuses
+    those itself). ``max_buffers``: most storages kept; least recently used free ones
+    are dropped first, and when every kept storage is in use the request is a plain
+    allocation.
+    """
+
+    def __init__(self, *, min_bytes: int = 1 << 20, max_buffers: int = 16) -> None:
+        self.min_bytes = min_bytes
+        self.max_buffers = max_buffers
+        self._storages: OrderedDict[int, tuple[tuple[int, ...], torch.dtype, torch.UntypedStorage]] = (
+            OrderedDict()
+        )
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised contiguous tensor of ``shape``, reusing a free storage when one fits."""
+        shape = tuple(int(s) for s in shape)
+        device = torch.device(device)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if device.type != "cpu" or nbytes < self.min_bytes:
+            return torch.empty(shape, dtype=dtype, device=device)
+        with self._lock:
+            for key, (kept_shape, kept_dtype, storage) in self._storages.items():
+                if kept_shape == shape and kept_dtype == dtype and _storage_use_count(storage) == 1:
+                    self._storages.move_to_end(key)
+                    return self._tensor_over(storage, shape, dtype)
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            if _storage_use_count(tensor.untyped_storage()) is None:
+                return tensor
+            self._evict_one_free()
+            if len(self._storages) < self.max_buffers:
+                self._storages[self._next_id] = (shape, dtype, tensor.untyped_storage())
+                self._next_id += 1
+            return tensor
+
+    def clear(self) -> None:
+        """Drop every kept storage (memory in use by callers stays valid)."""
+        with self._lock:
+            self._storages.clear()
+
+    def kept_bytes(self) -> int:
+        """Bytes of storage currently kept by the pool (in use or free)."""
+        with self._lock:
+            return sum(storage.nbytes() for _, _, storage in self._storages.values())
+
+    def _evict_one_free(self) -> None:
+        if len(self._storages) < self.max_buffers:
+            return
+        for key, (_, _, storage) in self._storages.items():  # least recently used first
+            if _storage_use_count(storage) == 1:
+                del self._storages[key]
+                return
+
+    @staticmethod
+    def _tensor_over(
+        storage: torch.UntypedStorage, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        strides = []
+        step = 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= max(size, 1)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, tuple(reversed(strides)))
