@@ -299,3 +299,13 @@ def test_each_cpu_backend_forced(backend):
     assert plan.forward[0].backend_name == backend
     y_r, g_r = ref_run(seq, x, split_sizes, probs, grad, "swiglu")
     assert_close_all([y, *grads], [y_r, *g_r], 1e-4, 1e-4)
+
+
+def test_backend_size_rules_are_checked_at_plan_time():
+    seq = fo.Sequential(fo.GroupedLinear(2, 6, 10), fo.ScaledSwiGLU(), fo.GroupedLinear(2, 5, 6))
+    x, probs = torch.randn(5, 6), torch.rand(5)
+    with fo.settings(backend="grouped_mm"), pytest.raises(fo.BackendUnavailableError, match="multiple of"):
+        seq(x, [2, 3], probs, [2, 3])
+    y = seq(x, [2, 3], probs, [2, 3])  # automatic selection picks a backend that takes these sizes
+    assert y.shape == (5, 6)
+    assert "backend cpu" in str(seq.last_plan)

@@ -108,7 +108,9 @@ class GroupedLinear(BasicOperation):
 
     # ------------------------------------------------------------ planning / checks
     def backend_for(self, device: torch.device, dtype: torch.dtype) -> GroupedGemmBackend:
-        return select_backend(device, dtype, purpose="gemm", forced=current_settings().backend).backend
+        features = ((self.in_features, self.out_features),)
+        forced = current_settings().backend
+        return select_backend(device, dtype, purpose="gemm", forced=forced, features=features).backend
 
     def plan_backend(self, device: torch.device, dtype: torch.dtype) -> str:
         return self.backend_for(device, dtype).name

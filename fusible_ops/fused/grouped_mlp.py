@@ -212,7 +212,10 @@ def _build(scale_after_fc2: bool):
         reason = _check_mlp(context, ops, first)
         if reason is not None:
             return reason
-        choice = select_backend(context.device, context.dtype, purpose="mlp", forced=context.settings.backend)
+        features = tuple((op.in_features, op.out_features) for op in (ops[0], ops[2]))
+        choice = select_backend(
+            context.device, context.dtype, purpose="mlp", forced=context.settings.backend, features=features
+        )
         fused = GroupedMLP(ops, choice.backend, scale_after_fc2=scale_after_fc2)
         fused.note = "; ".join(_plan_notes(context, choice, ops[1].spec, first))
         return fused

@@ -112,24 +112,44 @@ def clear_backend_cache() -> None:
 
 
 def select_backend(
-    device: torch.device, dtype: torch.dtype, *, purpose: str = "gemm", forced: str = "auto"
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    purpose: str = "gemm",
+    forced: str = "auto",
+    features: tuple[tuple[int, int], ...] = (),
 ) -> BackendChoice:
     """Choose the backend for ``device``/``dtype``; ``forced`` names one or is "auto".
 
-    Results are cached per arguments; a forced backend that cannot run raises
+    ``features`` lists the ``(in_features, out_features)`` of every GEMM the caller will
+    run; backends with size rules (``shape_problem``) are skipped when they cannot take
+    them. Results are cached per arguments; a forced backend that cannot run raises
     :class:`BackendUnavailableError` with the reason.
     """
-    key = (device, dtype, purpose, forced)
+    key = (device, dtype, purpose, forced, features)
     choice = _choices.get(key)
     if choice is None:
-        choice = _select_uncached(torch.device(device), dtype, purpose, forced)
+        choice = _select_uncached(torch.device(device), dtype, purpose, forced, features)
         _choices[key] = choice
     return choice
 
 
-def _select_uncached(device: torch.device, dtype: torch.dtype, purpose: str, forced: str) -> BackendChoice:
+def _shape_reason(name: str, dtype: torch.dtype, features: tuple[tuple[int, int], ...]) -> str | None:
+    shape_problem = getattr(get_backend(name), "shape_problem", None)
+    if shape_problem is None:
+        return None
+    for in_features, out_features in features:
+        reason = shape_problem(in_features, out_features, dtype)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _select_uncached(
+    device: torch.device, dtype: torch.dtype, purpose: str, forced: str, features: tuple[tuple[int, int], ...]
+) -> BackendChoice:
     if forced != "auto":
-        reason = probe_backend(forced, device, dtype)
+        reason = probe_backend(forced, device, dtype) or _shape_reason(forced, dtype, features)
         if reason is not None:
             raise BackendUnavailableError(
                 f"backend {forced!r} was forced with fusible_ops.settings(backend=...) but cannot run "
@@ -138,7 +158,7 @@ def _select_uncached(device: torch.device, dtype: torch.dtype, purpose: str, for
         return BackendChoice(get_backend(forced), ())
     skipped = []
     for name in _PREFERENCE.get((device.type, purpose), _DEFAULT_PREFERENCE):
-        reason = probe_backend(name, device, dtype, automatic=True)
+        reason = probe_backend(name, device, dtype, automatic=True) or _shape_reason(name, dtype, features)
         if reason is None:
             return BackendChoice(get_backend(name), tuple(skipped))
         skipped.append((name, reason))
