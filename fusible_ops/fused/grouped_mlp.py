@@ -232,6 +232,9 @@ def _plan_notes(context: FusionContext, choice: BackendChoice, spec: ActivationS
     else:
         notes.append("activation and scaling run as separate passes (backend has no fused epilogue)")
     has_output = context.has_kwarg(first + 2, OUTPUT_BUFFER_KEY)
+    backend_notes = getattr(backend, "plan_notes", None)
+    if backend_notes is not None:  # copies and composed steps the backend itself reports
+        notes.extend(backend_notes(context.device, None, has_output))
     if has_output and not backend.writes_in_place:
         notes.append(f"fc2 output is copied into the caller's buffer ({backend.name} cannot write in place)")
     elif has_output:
