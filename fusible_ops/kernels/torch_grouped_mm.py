@@ -66,6 +66,23 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
             self._probe_cache[key] = self._trial_call(device, dtype)
         return self._probe_cache[key]
 
+    def auto_probe(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Automatic selection on CUDA only where ``_grouped_mm`` has a grouped kernel (SM90+).
+
+        Below SM90 PyTorch runs it as a per-group loop that reads the offsets on the
+        host; it stays available when forced with ``settings(backend="grouped_mm")``.
+        """
+        reason = self.probe(device, dtype)
+        device = torch.device(device)
+        if reason is None and device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if major < 9:
+                return (
+                    f"torch._grouped_mm has no grouped kernel on sm_{major}{minor} (a per-group loop with a "
+                    "host sync); opt in with settings(backend='grouped_mm')"
+                )
+        return reason
+
     @staticmethod
     def _trial_call(device: torch.device, dtype: torch.dtype) -> str | None:
         """One 2-group 16x16x16 call: cheap, and raises on the host for unsupported devices/arches."""
