@@ -52,7 +52,7 @@ class CpuBufferPool:
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if device.type != "cpu" or nbytes < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
         with self._lock:

@@ -99,7 +99,7 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
     @staticmethod
     def shape_problem(in_features: int, out_features: int, dtype: torch.dtype) -> str | None:
         """``None`` when ``_grouped_mm`` accepts these feature sizes, else why not."""
-        elems = _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+        elems = _ALIGN_BYTES // dtype.itemsize
         for name, size in (("in_features", in_features), ("out_features", out_features)):
             if size % elems:
                 return f"torch._grouped_mm needs {name} ({size}) to be a multiple of {elems} for {dtype}"
