@@ -72,9 +72,42 @@ class _CallState:
     extra_counts: list[int]
     param_counts: list[int]
     ctx_flags: list[tuple[bool, bool, bool]]
+    #: parameters and their version counters at forward time (ints, not tensors):
+    #: parameters are read in backward, so an in-place change in between is an error
+    params: list[list[torch.nn.Parameter]] | None = None
+    param_versions: list[list[int]] | None = None
     ctxs: list[OperationContext] | None = None
     save_layout: list[tuple[int, tuple[str, ...]]] | None = None
     num_extra_outputs: int = 0
+
+
+def _owned(output: torch.Tensor, input_: torch.Tensor) -> torch.Tensor:
+    """A view of a buffer or scratch tensor is returned as a plain (detached) alias.
+
+    Autograd treats a Function output that is a view as non-modifiable in place;
+    aliases of caller buffers and fresh tensors are ours to hand out, so the caller
+    may modify them (``out.add_(residual)``) like any op's output. Views of the input
+    keep autograd's view tracking.
+    """
+    if (
+        isinstance(output, torch.Tensor)
+        and output._is_view()
+        and not (
+            input_.numel() and output.untyped_storage().data_ptr() == input_.untyped_storage().data_ptr()
+        )
+    ):
+        return output.detach()
+    return output
+
+
+def _check_param_versions(state: _CallState) -> None:
+    for op, op_params, versions in zip(state.fuser.ops, state.params, state.param_versions):
+        for param, version in zip(op_params, versions):
+            if param._version != version:
+                raise RuntimeError(
+                    f"{op.op_name()}: a parameter of shape {list(param.shape)} was modified in place "
+                    "between forward and backward; its gradient would be wrong"
+                )
 
 
 class _FuserFunction(torch.autograd.Function):
@@ -122,17 +155,18 @@ class _FuserFunction(torch.autograd.Function):
             state.ctxs = ctxs
             func_ctx.state = state
 
-        flat_extra_outputs = [t for outs in extra_outputs for t in outs]
+        flat_extra_outputs = [_owned(t, input_) for outs in extra_outputs for t in outs]
         state.num_extra_outputs = len(flat_extra_outputs)
         if flat_extra_outputs:
-            return (x, *flat_extra_outputs)
-        return x
+            return (_owned(x, input_), *flat_extra_outputs)
+        return _owned(x, input_)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(func_ctx, grad_output: torch.Tensor, *grad_extra_outputs_flat: torch.Tensor):
         state: _CallState = func_ctx.state
         ctxs = state.ctxs
+        _check_param_versions(state)
         saved = func_ctx.saved_tensors
         position = 0
         for ctx, (num_positional, names) in zip(ctxs, state.save_layout):
@@ -152,6 +186,10 @@ class _FuserFunction(torch.autograd.Function):
         grad = grad_output
         for entry in reversed(state.plan.backward):
             idx = entry.indices
+            if not any(ctxs[i].requires_grad for i in idx):
+                # grad requirements only switch on along the chain: nothing before needs grad
+                grad = None
+                break
             grad, op_grad_params, op_grad_extra = entry.op.fuser_backward(
                 [ctxs[i] for i in idx],
                 grad,
@@ -207,8 +245,11 @@ class OperationFuser:
         extra_inputs: list[tuple[Any, ...]],
         kwargs: list[dict[str, Any]],
         grad_flags: list[tuple[bool, bool, bool]],
+        params: list[list[torch.nn.Parameter]] | None = None,
     ) -> FusionPlan:
         settings = current_settings()
+        if params is None:
+            params = self._params()
         classes, kinds = _classify_extra_inputs(extra_inputs)
         kwarg_keys = tuple(
             frozenset(k for k, v in op_kwargs.items() if v is not None) for op_kwargs in kwargs
@@ -219,6 +260,7 @@ class OperationFuser:
             input_meta.device,
             _autocast_state(input_meta.device),
             tuple(grad_flags),
+            tuple((p.dtype, p.device, type(p)) for op_params in params for p in op_params),
             kwarg_keys,
             classes,
             kinds,
@@ -338,7 +380,7 @@ class OperationFuser:
         self.preflight(input_, per_op_extra, kwargs, params)
         grad_flags = self._grad_flags(input_.requires_grad, per_op_extra, params)
         meta = TensorMeta(tuple(input_.shape), input_.dtype, input_.device)
-        plan = self.plan(meta, per_op_extra, kwargs, grad_flags)
+        plan = self.plan(meta, per_op_extra, kwargs, grad_flags, params)
         self.last_plan = plan
         state = _CallState(
             fuser=self,
@@ -347,6 +389,8 @@ class OperationFuser:
             extra_counts=[op.num_extra_inputs for op in self.ops],
             param_counts=[len(p) for p in params],
             ctx_flags=grad_flags,
+            params=params,
+            param_versions=[[p._version for p in op_params] for op_params in params],
         )
         flat_extra = [t for op_extra in per_op_extra for t in op_extra]
         flat_params = [p for op_params in params for p in op_params]

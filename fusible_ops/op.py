@@ -136,20 +136,14 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
 
     # ------------------------------------------------------------ direct call
     def forward(self, input_: torch.Tensor, *extra_inputs: Any, **kwargs: Any):
-        """Run this op alone: ``op(x, *extra_inputs, **kwargs)``."""
-        fuser = self.__dict__.get("_single_op_fuser")
-        if fuser is None:
-            from .fuser import OperationFuser
+        """Run this op alone: ``op(x, *extra_inputs, **kwargs)``.
 
-            fuser = OperationFuser([self])
-            self.__dict__["_single_op_fuser"] = fuser
-        outputs = fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs])
-        return outputs
+        A fresh single-op fuser per call (planning one op is trivial) keeps the op
+        free of a reference cycle through a cached fuser.
+        """
+        from .fuser import OperationFuser
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_single_op_fuser", None)
-        return state
+        return OperationFuser([self])(input_, *extra_inputs, basic_op_kwargs=[kwargs])
 
 
 class FusedOperation(FusibleOperation):

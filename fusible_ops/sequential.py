@@ -56,7 +56,10 @@ class Sequential(torch.nn.Module):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Sequential: {type(module).__name__} is not an nn.Module")
         modules = self._module_list()
-        modules.insert(index, module)
+        n = len(modules)
+        if not -n <= index <= n:
+            raise IndexError(f"Sequential.insert: index {index} is out of range for {n} modules")
+        modules.insert(index + n if index < 0 else index, module)
         self._reset_modules(modules)
         return self
 

@@ -19,6 +19,11 @@ class AddExtraInput(BasicOperation):
             raise ValueError(
                 f"AddExtraInput: extra input must be a tensor of shape {list(input_meta.shape)}, got {got}"
             )
+        if extra.dtype != input_meta.dtype or extra.device != input_meta.device:
+            raise ValueError(
+                f"AddExtraInput: extra input is {extra.dtype} on {extra.device}; expected "
+                f"{input_meta.dtype} on {input_meta.device} like the main input"
+            )
         return input_meta
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:

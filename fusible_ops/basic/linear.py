@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..dtypes import cast, compute_dtype
 from ..op import BasicOperation, OperationContext, TensorMeta
 from ..parallel.tp_linear import tp_linear_forward
 from .grouped_linear import check_float_input
@@ -36,32 +37,50 @@ class BasicLinear(BasicOperation):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
+        out_shape = (*input_meta.shape[:-1], self.out_features)
         if _is_dtensor(self.weight):
-            return TensorMeta(
-                (*input_meta.shape[:-1], self.out_features), input_meta.dtype, input_meta.device
-            )
+            return TensorMeta(out_shape, input_meta.dtype, input_meta.device)
         check_float_input(self.op_name(), input_meta, self.weight, self.in_features)
-        return TensorMeta((*input_meta.shape[:-1], self.out_features), input_meta.dtype, input_meta.device)
+        return TensorMeta(out_shape, compute_dtype(input_meta.dtype, input_meta.device), input_meta.device)
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
-        if ctx.requires_grad:
-            # the weight is read from the module in backward: only activations are saved
-            ctx.save_for_backward(
-                input=input_ if self.weight.requires_grad or _is_dtensor(self.weight) else None
-            )
-        return tp_linear_forward(input_, self.weight, None, mm_for_2d_compile=False)
+        return linear_forward(ctx, self, input_, None)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        x, weight = ctx.saved["input"], self.weight
-        if _is_dtensor(weight):
-            return _autograd_linear_backward(ctx, x, weight, grad_output)
+        x = ctx.saved["input"]
+        if _is_dtensor(self.weight):
+            return _autograd_linear_backward(ctx, x, self.weight, grad_output)
+        dtype = ctx.compute_dtype
+        dy = cast(grad_output, dtype)
         grad_input = grad_weight = None
         if ctx.input_requires_grad:
-            grad_input = grad_output @ weight
+            grad_input = dy @ cast(self.weight, dtype)
         if self.weight.requires_grad:
-            dy = grad_output.reshape(-1, self.out_features)
-            grad_weight = dy.t() @ x.reshape(-1, self.in_features)
+            dy2d = dy.reshape(-1, self.out_features)
+            grad_weight = cast(dy2d.t() @ x.reshape(-1, self.in_features), self.weight.dtype)
         return grad_input, [grad_weight]
+
+
+def linear_forward(
+    ctx: OperationContext, linear: BasicLinear, input_: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``BasicLinear``'s forward (optionally with a bias folded in), filling its context.
+
+    Under autocast the input and weight are cast to autocast's dtype; DTensor weights
+    are left to DTensor. Everything goes through ``tp_linear_forward``.
+    """
+    weight = linear.weight
+    if _is_dtensor(weight):
+        dtype = input_.dtype
+    else:
+        dtype = compute_dtype(input_.dtype, input_.device)
+        input_, weight, bias = cast(input_, dtype), cast(weight, dtype), cast(bias, dtype)
+    if ctx.requires_grad:
+        # the weight is read from the module in backward: only activations are saved
+        keep_input = linear.weight.requires_grad or _is_dtensor(linear.weight)
+        ctx.save_for_backward(input=input_ if keep_input else None)
+        ctx.compute_dtype = dtype
+    return tp_linear_forward(input_, weight, bias, mm_for_2d_compile=False)
 
 
 def _autograd_linear_backward(ctx, x, weight, grad_output):
@@ -100,10 +119,13 @@ class Bias(BasicOperation):
         return input_meta
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
-        return input_ + self.bias
+        bias = self.bias
+        if torch.is_autocast_enabled(input_.device.type):
+            bias = cast(bias, input_.dtype)  # keep autocast's dtype, as torch.nn.Linear does
+        return input_ + bias
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         grad_bias = None
         if self.bias.requires_grad:
-            grad_bias = grad_output.reshape(-1, self.features).sum(0)
+            grad_bias = cast(grad_output.reshape(-1, self.features).sum(0), self.bias.dtype)
         return grad_output, [grad_bias]

@@ -10,10 +10,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..basic.activations import Activation
-from ..basic.linear import BasicLinear, Bias, _is_dtensor
+from ..basic.linear import BasicLinear, Bias, _is_dtensor, linear_forward
+from ..dtypes import cast
 from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels.activation import activation_backward, activation_forward
 from ..op import BasicOperation, FusedOperation
@@ -24,10 +24,8 @@ class ForwardLinearBiasActivation(FusedOperation):
 
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
         linear, bias = self.basic_ops[0], self.basic_ops[1]
-        linear_ctx = basic_op_ctxs[0]
-        if linear_ctx.requires_grad:
-            linear_ctx.save_for_backward(input=input_ if linear.weight.requires_grad else None)
-        y = F.linear(input_, linear.weight, bias.bias)
+        # tp_linear_forward with the bias: addmm in eager, bias kept out of the mm under async TP
+        y = linear_forward(basic_op_ctxs[0], linear, input_, bias.bias)
         if len(self.basic_ops) == 3:
             act_ctx = basic_op_ctxs[2]
             if act_ctx.requires_grad:
@@ -42,7 +40,9 @@ class BackwardBiasActivation(FusedOperation):
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         bias, activation = self.basic_ops
         grad_pre = activation_backward(activation.spec, basic_op_ctxs[1].saved["input"], grad_output)
-        grad_bias = grad_pre.reshape(-1, bias.features).sum(0) if bias.bias.requires_grad else None
+        grad_bias = None
+        if bias.bias.requires_grad:
+            grad_bias = cast(grad_pre.reshape(-1, bias.features).sum(0), bias.bias.dtype)
         return grad_pre, [[grad_bias], []], [(), ()]
 
 

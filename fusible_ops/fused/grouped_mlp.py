@@ -24,6 +24,7 @@ from ..dtypes import cast, compute_dtype
 from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels.activation import ActivationSpec, row_dot
+from ..kernels.base import group_ids_from_offsets
 from ..op import BasicOperation, FusedOperation, OperationContext
 from ..splits import to_split_info
 
@@ -83,10 +84,7 @@ class GroupedMLP(FusedOperation):
             None if self.scale_after_fc2 else scales,
         )
         y = kernels.fprop(act, w2, splits.host, splits.offsets, bias=b2, out=out2d)
-        unscaled_y = None
         if self.scale_after_fc2:
-            if scales_in.requires_grad and any(c.requires_grad for c in basic_op_ctxs):
-                unscaled_y = y.clone()
             y.mul_(scales.to(y.dtype).unsqueeze(-1))
         del act  # recomputed in backward
 
@@ -96,7 +94,6 @@ class GroupedMLP(FusedOperation):
                 pre=pre,
                 scales=scales,
                 offsets=splits.offsets,
-                unscaled_y=unscaled_y,
             )
             ctx1.host_splits = splits.host
             ctx1.input_shape = input_.shape
@@ -120,22 +117,24 @@ class GroupedMLP(FusedOperation):
         if not dy.is_contiguous():
             dy = dy.contiguous()
 
-        grad_scales = None
-        if self.scale_after_fc2:
-            if ctx1.scales_requires_grad:
-                grad_scales = row_dot(saved["unscaled_y"], dy, scales.dtype)
-            dy = dy * scales.to(dy.dtype).unsqueeze(-1)
-            grad_pre, _, act = kernels.fc2_dgrad_act(dy, w2, pre, host, offsets, self.spec, None)
-        else:
-            grad_pre, grad_scales, act = kernels.fc2_dgrad_act(dy, w2, pre, host, offsets, self.spec, scales)
-            if not ctx1.scales_requires_grad:
-                grad_scales = None
+        # Both patterns share one backward: with y = s * (act @ W2^T + b2) the gradients
+        # w.r.t. act and W2 equal those of y = (s * act) @ W2^T + b2; only the scales'
+        # gradient gains the bias term and fc2's bias gradient is scaled.
+        grad_pre, grad_scales, act_scaled = kernels.fc2_dgrad_act(
+            dy, w2, pre, host, offsets, self.spec, scales
+        )
+        if not ctx1.scales_requires_grad:
+            grad_scales = None
+        elif self.scale_after_fc2 and fc2.bias is not None:
+            group_bias = cast(fc2.bias, dtype).index_select(0, group_ids_from_offsets(offsets, dy.shape[0]))
+            grad_scales = grad_scales + row_dot(dy, group_bias, grad_scales.dtype)
 
-        grad_w2 = kernels.wgrad(dy, act, host, offsets) if fc2.weight.requires_grad else None
+        grad_w2 = kernels.wgrad(dy, act_scaled, host, offsets) if fc2.weight.requires_grad else None
+        del act_scaled
         grad_b2 = None
         if fc2.bias is not None and fc2.bias.requires_grad:
-            grad_b2 = kernels.bias_grad(dy, host, offsets, fc2.num_groups)
-        del act
+            dy_b2 = dy * scales.to(dy.dtype).unsqueeze(-1) if self.scale_after_fc2 else dy
+            grad_b2 = kernels.bias_grad(dy_b2, host, offsets, fc2.num_groups)
 
         grad_input = None
         if ctx1.input_requires_grad:
@@ -193,6 +192,11 @@ def _check_mlp(context: FusionContext, ops: list[BasicOperation], first: int) ->
     if context.has_kwarg(first, OUTPUT_BUFFER_KEY):
         return (
             "output buffer requested on fc1 (the fused op does not materialise fc1's output for the caller)"
+        )
+    if len(ops) == 4 and context.has_kwarg(first + 2, OUTPUT_BUFFER_KEY):
+        return (
+            "output buffer requested on fc2 with Scale after it: unfused, the buffer holds fc2's "
+            "unscaled output; request the buffer on a pattern with the scale before fc2"
         )
     if context.has_kwarg(first + 2, GRAD_INPUT_BUFFER_KEY):
         return "grad_input buffer requested on fc2 (the fused op does not materialise fc2's input gradient)"

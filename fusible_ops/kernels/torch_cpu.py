@@ -29,6 +29,11 @@ from .grouped_checks import check_operands, check_weight
 from .torch_loop import TorchLoopBackend, _row_ranges
 
 
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """The masked one-GEMM form multiplies other groups' values by 0: only exact when finite."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def _blocks(start: int, end: int, block: int):
     for s in range(start, end, block):
         yield s, min(s + block, end)
@@ -184,7 +189,7 @@ class TorchCpuBackend(TorchLoopBackend):
     ) -> None:
         groups, n_out, k_in = weight.shape
         covered = sum(sizes)
-        if self._is_small(groups, covered, n_out, k_in):
+        if self._is_small(groups, covered, n_out, k_in) and _all_finite(grad_out[:covered], weight):
             masked = self._mask_by_group(grad_out[:covered], sizes)
             torch.mm(masked, weight.reshape(groups * n_out, k_in), out=out[:covered])
             return
@@ -195,7 +200,8 @@ class TorchCpuBackend(TorchLoopBackend):
     ) -> None:
         groups, n_out, k_in = out.shape
         covered = sum(sizes)
-        if self._is_small(groups, covered, n_out, k_in) and out.is_contiguous():
+        small = self._is_small(groups, covered, n_out, k_in) and out.is_contiguous()
+        if small and _all_finite(grad_out[:covered], x[:covered]):
             masked = self._mask_by_group(grad_out[:covered], sizes)  # empty groups -> zero rows of out
             torch.mm(masked.t(), x[:covered], out=out.view(groups * n_out, k_in))
             return

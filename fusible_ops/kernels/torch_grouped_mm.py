@@ -30,6 +30,8 @@ _ALIGN_BYTES = 16
 
 def _aligned_2d(t: torch.Tensor) -> torch.Tensor:
     """``t`` if ``_grouped_mm`` accepts its strides as a row-major 2-D operand, else a contiguous copy."""
+    if t.numel() == 0:
+        return t.new_empty(t.shape)  # an expanded empty gradient has strides (0, 0)
     if t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % _ALIGN_BYTES == 0:
         return t
     return t.contiguous()
@@ -126,6 +128,8 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
         check_bias(where, bias, groups, n_out, x.dtype)
         check_out(where, out, (x.shape[0], n_out), x.dtype, x.device)
         self._check_layout(where, k_in, n_out, x.dtype)
+        if x.shape[0] == 0:
+            return out if out is not None else x.new_empty(0, n_out)
         # weight[g].T as a column-major [K, N] operand: no copy for a contiguous weight.
         result = torch._grouped_mm(
             _aligned_2d(x), weight.contiguous().transpose(-2, -1), offs=self._offs(offsets)
@@ -156,6 +160,8 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
             )
         check_out(where, out, (grad_out.shape[0], k_in), grad_out.dtype, grad_out.device)
         self._check_layout(where, k_in, n_out, grad_out.dtype)
+        if grad_out.shape[0] == 0:
+            return out if out is not None else grad_out.new_empty(0, k_in)
         result = torch._grouped_mm(_aligned_2d(grad_out), weight.contiguous(), offs=self._offs(offsets))
         return self._deliver(result, out, split_sizes, offsets)
 
@@ -178,8 +184,14 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
         shape = (groups, grad_out.shape[1], x.shape[1])
         check_out(where, out, shape, x.dtype, x.device)
         self._check_layout(where, x.shape[1], grad_out.shape[1], x.dtype)
+        if grad_out.shape[0] == 0:
+            return out.zero_() if out is not None else x.new_zeros(shape)
         # grad_out.T of a row-major [M, N] is the column-major [N, M] operand _grouped_mm wants.
         result = torch._grouped_mm(_aligned_2d(grad_out).t(), _aligned_2d(x), offs=self._offs(offsets))
+        # empty groups must get zeros; some _grouped_mm builds leave them unwritten (pytorch#172439)
+        offs = offsets.long()
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+        result.masked_fill_((sizes == 0).view(-1, 1, 1), 0)
         if out is None:
             return result
         return out.copy_(result)
