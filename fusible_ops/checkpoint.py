@@ -62,12 +62,18 @@ def expert_range(target: nn.Module) -> range:
     """Global indices of the experts ``target`` holds (all of them without expert parallelism)."""
     experts = _experts_of(target)
     num_local = experts[0].weight.shape[0]
-    rank = getattr(target, "ep_rank", 0)
-    return range(rank * num_local, (rank + 1) * num_local)
+    rank = getattr(target, "ep_rank", None)
+    if rank is not None:
+        first = rank * num_local
+    else:  # a bare experts Sequential: MoE records where its experts start
+        first = getattr(experts, "first_global_expert", 0)
+    return range(first, first + num_local)
 
 
 def _num_global_experts(target: nn.Module) -> int:
-    return getattr(target, "num_experts", _experts_of(target)[0].weight.shape[0])
+    experts = _experts_of(target)
+    default = getattr(experts, "num_global_experts", experts[0].weight.shape[0])
+    return getattr(target, "num_experts", default)
 
 
 def _interleave_of(experts: nn.Module) -> int | None:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .buffers import validate_or_alloc_output
+from .kernels.activation import row_dot
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -174,7 +175,7 @@ class _Combine(torch.autograd.Function):
                 grad_per_row if probs is None else grad_per_row * probs.to(grad_per_row.dtype)[:, None]
             )
         if probs is not None and ctx.needs_input_grad[1]:
-            grad_probs = (grad_per_row.float() * rows.float()).sum(-1).to(probs.dtype)
+            grad_probs = row_dot(grad_per_row, rows, probs.dtype)
         return grad_rows, grad_probs, None, None, None
 
 

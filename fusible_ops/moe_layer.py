@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .dtypes import compute_dtype
 from .moe import SCORE_FUNCTIONS, permute, topk_route, unpermute
 
 #: activation name -> (fusible_ops class name, fc1 outputs per ffn unit)
@@ -92,6 +93,9 @@ class MoE(nn.Module):
             getattr(fo, act_class)(),
             fo.GroupedLinear(num_local_experts, ffn_hidden_size, hidden_size, bias=bias, **factory),
         )
+        # so that checkpoint helpers given only the experts Sequential map the right experts
+        self.experts.first_global_expert = self.ep_rank * num_local_experts
+        self.experts.num_global_experts = num_experts
 
     @property
     def ep_rank(self) -> int:
@@ -119,7 +123,10 @@ class MoE(nn.Module):
 
             ep = self.expert_parallel
             rows, row_probs, state = ep.dispatch(tokens, expert_ids, probs)
-            send_back = ep.output_buffer(state, self.hidden_size, rows.dtype, rows.device)
+            # fc2 writes in its compute dtype (autocast's dtype under autocast)
+            send_back = ep.output_buffer(
+                state, self.hidden_size, compute_dtype(rows.dtype, rows.device), rows.device
+            )
             splits = state.local_split_sizes
             y = self.experts(rows, splits, row_probs, splits, op_kwargs={2: {OUTPUT_BUFFER_KEY: send_back}})
             out = ep.combine(y, state)

@@ -214,3 +214,9 @@ def test_bad_checkpoints_raise_and_leave_weights_unchanged(public):
         load_grouped_keys(moe, {"experts.0.weight0": tensors["gate_up"][0]})
     for k, v in moe.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_a_bare_experts_sequential_knows_its_global_experts():
+    experts = MoE(H, F, E // 2, 1, dtype=torch.float64).experts
+    experts.first_global_expert, experts.num_global_experts = 2, E  # as MoE records them on rank 1 of 2
+    assert list(expert_range(experts)) == [2, 3]

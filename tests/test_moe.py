@@ -365,3 +365,12 @@ def test_moe_structure_and_validation():
         MoE(6, 5, 8, 2, score="tanh")
     with pytest.raises(ValueError, match=r"\[\.\.\., 6\]"):
         moe(torch.randn(3, 5))
+
+
+def test_unpermute_probs_gradient_keeps_float64():
+    from fusible_ops.moe import unpermute
+
+    rows = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    token_index = torch.tensor([0, 1, 1, 2, 0, 2])
+    assert torch.autograd.gradcheck(lambda r, p: unpermute(r, token_index, 3, probs=p), (rows, probs))

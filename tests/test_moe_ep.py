@@ -145,6 +145,16 @@ def _check_moe(rank, world, counts, offset, x_all, grad_all, bias, score):
     torch.testing.assert_close(router_grad, ref.router.weight.grad)
 
 
+def _check_autocast(rank, counts, offset, x_all):
+    """Under autocast fc2 computes in bf16: the send buffer must be allocated in bf16 too."""
+    moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, ep_group=dist.group.WORLD)
+    x = x_all[offset : offset + counts[rank]].float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    out.float().square().sum().backward()
+    assert out.shape == x.shape and x.grad is not None
+
+
 def _worker(rank: int, world: int, port: int, counts: list[int]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -157,6 +167,7 @@ def _worker(rank: int, world: int, port: int, counts: list[int]) -> None:
         _check_transport(rank, world, counts, offset, x_all, grad_all)
         _check_moe(rank, world, counts, offset, x_all, grad_all, bias=False, score="softmax")
         _check_moe(rank, world, counts, offset, x_all, grad_all, bias=True, score="sigmoid")
+        _check_autocast(rank, counts, offset, x_all)
     finally:
         dist.destroy_process_group()
 

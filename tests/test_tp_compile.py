@@ -178,3 +178,22 @@ def test_inductor_sees_micro_pipeline_tp_patterns(mesh, micro_pipeline_tp, async
         assert patterns["all_gather_mm"] == 1 and patterns["mm_reduce_scatter"] == 1
     else:
         assert patterns["all_gather_mm"] == 0 and patterns["mm_reduce_scatter"] == 0
+
+
+def test_lora_styles_shard_a_plain_linear_in_the_same_plan(mesh):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fusible_ops.parallel import LinearLoRA, lora_colwise_parallel, lora_rowwise_parallel
+
+    model = torch.nn.ModuleDict(
+        {"a": torch.nn.Linear(8, 6), "b": LinearLoRA(8, 6, r=2), "c": torch.nn.Linear(6, 8)}
+    )
+    parallelize_module(
+        model,
+        mesh,
+        {"a": lora_colwise_parallel(), "b": lora_colwise_parallel(), "c": lora_rowwise_parallel()},
+    )
+    assert model["a"].weight.placements == (Shard(0),)
+    assert model["b"].weight.placements == (Shard(0),) and model["b"].lora_A.placements == (Replicate(),)
+    assert model["c"].weight.placements == (Shard(1),)

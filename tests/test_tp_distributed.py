@@ -112,6 +112,37 @@ def _expected_path(mode: str, ndim: int, placement: str, mm_for_2d: bool) -> str
     return "mm" if (ndim == 2 and mm_for_2d) else "linear"
 
 
+def _observe_eager_path(forward, x, w, b, mm_for_2d):
+    """Run ``forward`` eagerly with spies on each path's function; return (out, path that ran)."""
+    from unittest import mock
+
+    import fusible_ops.parallel.tp_linear as tp
+
+    ran = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            ran.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    with (
+        mock.patch.object(tp, "_bmm_linear", spy("bmm", tp._bmm_linear)),
+        mock.patch.object(tp, "_mm_linear", spy("mm", tp._mm_linear)),
+        mock.patch.object(tp, "_async_tp_linear", spy("async_tp", tp._async_tp_linear)),
+        mock.patch.object(tp.F, "linear", spy("linear", tp.F.linear)),
+        mock.patch.object(tp.torch, "bmm", spy("torch.bmm", torch.bmm)),
+        mock.patch.object(tp.torch, "mm", spy("torch.mm", torch.mm)),
+    ):
+        out = forward(x, w, b, mm_for_2d)
+    path = ran[0] if ran else "none"
+    # the path's own matmul must really run (not, say, an F.linear inside _bmm_linear)
+    if path in ("bmm", "mm"):
+        assert ran[1:2] == [f"torch.{path}"], ran
+    return out, path
+
+
 def _run_linear_case(case: str, mesh) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -135,8 +166,9 @@ def _run_linear_case(case: str, mesh) -> dict:
 
     recorder = None
     if mode == "eager":
-        observed = select_tp_linear_path(x, mm_for_2d)
-        out = tp_linear_forward(x, w, b, mm_for_2d)
+        selected = select_tp_linear_path(x, mm_for_2d)
+        out, observed = _observe_eager_path(tp_linear_forward, x, w, b, mm_for_2d)
+        assert observed == selected, (observed, selected)
     else:
         torch._dynamo.reset()
         recorder = _GraphRecorder()

@@ -9,6 +9,8 @@ from .tp_linear import (
     PATH_BMM,
     PATH_LINEAR,
     PATH_MM,
+    _async_tp_linear,
+    _is_async_tp_linear_enabled,
     select_tp_linear_path,
     tp_linear_forward,
 )

@@ -188,8 +188,10 @@ def _lora_styles() -> tuple[type, type]:
         ``lora_A`` replicated (its output dim is the rank, which is not split)."""
 
         def _partition_linear_fn(self, name, module, device_mesh):
-            if not isinstance(module, LinearLoRA):  # called for every submodule; only ours has params
-                return
+            if not isinstance(module, LinearLoRA):
+                if type(module) is nn.Linear:  # a plain nn.Linear in the same plan: the usual style
+                    return super()._partition_linear_fn(name, module, device_mesh)
+                return  # the adapter's own submodules (dropout) hold no parameters
             for param_name, placement in (
                 ("weight", Shard(0)),
                 ("bias", Shard(0)),
@@ -203,8 +205,10 @@ def _lora_styles() -> tuple[type, type]:
         ``bias``, ``lora_B`` replicated (the adapter output is partial, like the base output)."""
 
         def _partition_linear_fn(self, name, module, device_mesh):
-            if not isinstance(module, LinearLoRA):  # called for every submodule; only ours has params
-                return
+            if not isinstance(module, LinearLoRA):
+                if type(module) is nn.Linear:  # a plain nn.Linear in the same plan: the usual style
+                    return super()._partition_linear_fn(name, module, device_mesh)
+                return  # the adapter's own submodules (dropout) hold no parameters
             for param_name, placement in (
                 ("weight", Shard(1)),
                 ("bias", Replicate()),
