@@ -21,6 +21,8 @@ Kernels run with autograd disabled (inside the fuser's ``autograd.Function``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .activation import ActivationSpec, activation_backward, activation_forward
@@ -29,9 +31,15 @@ from .grouped_checks import check_operands, check_weight
 from .torch_loop import TorchLoopBackend, _row_ranges
 
 
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    """The masked one-GEMM form multiplies other groups' values by 0: only exact when finite."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether the masked one-GEMM result can be kept.
+
+    That form multiplies other groups' values by 0, so an inf or NaN anywhere turns into
+    NaN in every group; a non-finite result is therefore recomputed group by group
+    (exact, and NaN/inf stay where they belong). A finite sum proves every element
+    finite; an overflowing sum of finite values only costs the recomputation.
+    """
+    return math.isfinite(float(t.sum()))
 
 
 def _blocks(start: int, end: int, block: int):
@@ -189,10 +197,11 @@ class TorchCpuBackend(TorchLoopBackend):
     ) -> None:
         groups, n_out, k_in = weight.shape
         covered = sum(sizes)
-        if self._is_small(groups, covered, n_out, k_in) and _all_finite(grad_out[:covered], weight):
+        if self._is_small(groups, covered, n_out, k_in):
             masked = self._mask_by_group(grad_out[:covered], sizes)
             torch.mm(masked, weight.reshape(groups * n_out, k_in), out=out[:covered])
-            return
+            if _all_finite(out[:covered]):
+                return
         super()._dgrad_groups(grad_out, weight, sizes, out)
 
     def _wgrad_groups(
@@ -200,11 +209,11 @@ class TorchCpuBackend(TorchLoopBackend):
     ) -> None:
         groups, n_out, k_in = out.shape
         covered = sum(sizes)
-        small = self._is_small(groups, covered, n_out, k_in) and out.is_contiguous()
-        if small and _all_finite(grad_out[:covered], x[:covered]):
+        if self._is_small(groups, covered, n_out, k_in) and out.is_contiguous():
             masked = self._mask_by_group(grad_out[:covered], sizes)  # empty groups -> zero rows of out
             torch.mm(masked.t(), x[:covered], out=out.view(groups * n_out, k_in))
-            return
+            if _all_finite(out):
+                return
         super()._wgrad_groups(grad_out, x, sizes, out)
 
     # ------------------------------------------------------------ fused entry points
