@@ -155,6 +155,16 @@ def _check_autocast(rank, counts, offset, x_all):
     assert out.shape == x.shape and x.grad is not None
 
 
+def _check_grad_on_one_rank_only(rank, counts, offset, x_all):
+    """A frozen MoE where only rank 0's input needs grad: every rank still joins backward."""
+    moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, dtype=torch.float64, ep_group=dist.group.WORLD)
+    moe.requires_grad_(False)
+    x = x_all[offset : offset + counts[rank]].clone().requires_grad_(rank == 0)
+    out = moe(x)
+    out.sum().backward()  # would hang rank 0 (or fail on the others) without the anchor
+    assert (x.grad is not None) == (rank == 0)
+
+
 def _worker(rank: int, world: int, port: int, counts: list[int]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -168,6 +178,7 @@ def _worker(rank: int, world: int, port: int, counts: list[int]) -> None:
         _check_moe(rank, world, counts, offset, x_all, grad_all, bias=False, score="softmax")
         _check_moe(rank, world, counts, offset, x_all, grad_all, bias=True, score="sigmoid")
         _check_autocast(rank, counts, offset, x_all)
+        _check_grad_on_one_rank_only(rank, counts, offset, x_all)
     finally:
         dist.destroy_process_group()
 

@@ -86,7 +86,7 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, probs, send_splits, recv_splits, group, rows_out_holder):  # noqa: ANN001, ANN205
+    def forward(ctx, rows, probs, send_splits, recv_splits, group, rows_out_holder, grad_anchor):  # noqa: ANN001, ANN205
         ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
         ctx.num_send_rows = rows.shape[0]
         ctx.has_probs = probs is not None
@@ -111,7 +111,7 @@ class _AllToAll(torch.autograd.Function):
             _all_to_all_chunks(
                 grad_probs.contiguous(), ctx.recv_splits, ctx.send_splits, ctx.group, grad_probs_in
             )
-        return grad_rows_in, grad_probs_in, None, None, None, None
+        return grad_rows_in, grad_probs_in, None, None, None, None, None
 
 
 def all_to_all_rows(
@@ -136,7 +136,11 @@ def all_to_all_rows(
         )
     if probs is not None and probs.shape != (num_send,):
         raise ValueError(f"all_to_all_rows: probs must have shape ({num_send},), got {tuple(probs.shape)}")
-    return _AllToAll.apply(rows, probs, send_splits, recv_splits, group, [out])
+    # Every rank must issue the backward collectives, also a rank whose rows need no grad
+    # (frozen router, input without grad) while another's do: an empty leaf that requires
+    # grad puts this exchange in every rank's backward graph whenever grad is enabled.
+    anchor = torch.empty(0, device=rows.device, requires_grad=True) if torch.is_grad_enabled() else None
+    return _AllToAll.apply(rows, probs, send_splits, recv_splits, group, [out], anchor)
 
 
 class ExpertParallel:
