@@ -118,12 +118,15 @@ class FakeFrontend(types.ModuleType):
 
     def _grouped_gemm_wrapper_sm100(
         self, a_tensor, padded_offsets, alpha_tensor, b_tensor=None, bias_tensor=None, b_ptrs=None,
-        n=None, b_dtype=None, b_major="k", d_dtype=None, d_tensor=None, current_stream=None,
+        n=None, b_dtype=None, b_major="k", d_dtype=None, d_tensor=None, prob_tensor=None,
+        current_stream=None,
     ):  # fmt: skip
+        if prob_tensor is None:  # the real wrapper (frontend 1.32) raises "prob_tensor is required"
+            raise ValueError("prob_tensor is required")
         kw = dict(locals())
         kw.pop("self")
         self.calls.append(("gemm", kw))
-        return {"d_tensor": self._write_d(kw, self._gemm(kw))}
+        return {"d_tensor": self._write_d(kw, self._gemm(kw) * prob_tensor.float()[:, None])}
 
     def _grouped_gemm_quant_wrapper_sm100(
         self, a_tensor, sfa_tensor, padded_offsets, alpha_tensor, b_tensor=None, sfb_tensor=None,

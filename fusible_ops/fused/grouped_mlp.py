@@ -221,20 +221,24 @@ def _build(scale_after_fc2: bool):
             context.device, context.dtype, purpose="mlp", forced=context.settings.backend, features=features
         )
         fused = GroupedMLP(ops, choice.backend, scale_after_fc2=scale_after_fc2)
-        fused.note = "; ".join(_plan_notes(context, choice, ops[1].spec, first))
+        fused.note = "; ".join(_plan_notes(context, choice, ops[1].spec, first, scale_after_fc2))
         return fused
 
     return build
 
 
-def _plan_notes(context: FusionContext, choice: BackendChoice, spec: ActivationSpec, first: int) -> list[str]:
+def _plan_notes(
+    context: FusionContext, choice: BackendChoice, spec: ActivationSpec, first: int, scale_after_fc2: bool
+) -> list[str]:
     """What the plan should say about how the fused op will run."""
     backend = choice.backend
     notes = [choice.explain()]
     if backend.fused_activation:
-        notes.append("activation and scaling fused with the GEMMs")
+        notes.append("activation" + ("" if scale_after_fc2 else " and scaling") + " fused with the GEMMs")
     else:
         notes.append("activation and scaling run as separate passes (backend has no fused epilogue)")
+    if scale_after_fc2:
+        notes.append("the routing scale after fc2 is one extra in-place pass over the output")
     has_output = context.has_kwarg(first + 2, OUTPUT_BUFFER_KEY)
     backend_notes = getattr(backend, "plan_notes", None)
     if backend_notes is not None:  # copies and composed steps the backend itself reports

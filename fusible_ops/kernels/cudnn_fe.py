@@ -308,17 +308,21 @@ class CudnnFrontendBackend(GroupedGemmBackend):
         reorder = not adapter.is_identity_permutation(perm)
         pre_k = pre.index_select(1, perm) if reorder else pre
         prob = scales.float() if scales is not None else pre.new_ones(rows, dtype=torch.float32)
+        # bound to a name: the wrapper only receives the experts' pointers, so a temporary
+        # contiguous copy must outlive the call
+        fc2_weight = weight.contiguous()
         kwargs = adapter.dglu_kwargs(
             grad=adapter.scatter_rows(grad_y, layout),
             pre=adapter.scatter_rows(pre_k, layout),
             padded_offsets=layout.padded_offsets,
             prob=adapter.scatter_rows(prob, layout),
             dprob=torch.zeros(layout.capacity, dtype=torch.float32, device=pre.device),
-            fc2_weight=weight.contiguous(),
+            fc2_weight=fc2_weight,
             spec=activation,
             out_dtype=pre.dtype,
         )
         result = module.grouped_gemm_dglu_wrapper_sm100(**kwargs, **_stream_kwargs(pre.device))
+        del fc2_weight  # kept alive until the wrapper has run
         grad_pre = adapter.gather_rows(result["d_row_tensor"].reshape(layout.capacity, two_n), layout)
         if reorder:
             grad_pre = grad_pre.index_select(1, adapter.inverse_permutation(perm))

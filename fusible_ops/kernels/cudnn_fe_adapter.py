@@ -329,11 +329,23 @@ def grouped_gemm_kwargs(
     b_ptrs: torch.Tensor | None = None,
     n: int | None = None,
     bias: torch.Tensor | None = None,
+    prob: torch.Tensor | None = None,
 ) -> dict:
     """``grouped_gemm_wrapper_sm100`` (BF16): dense ``weight`` ``[G, N, K]`` or discrete
-    N-major ``b_ptrs`` (each expert an ``[K, N]`` row-major matrix, as for dgrad)."""
+    N-major ``b_ptrs`` (each expert an ``[K, N]`` row-major matrix, as for dgrad).
+
+    The wrapper requires a per-row ``prob_tensor`` (fp32 ``[rows]``) that scales each
+    output row; plain GEMMs pass ones (the default).
+    """
+    if prob is None:
+        prob = torch.ones(a.shape[0], dtype=torch.float32, device=a.device)
     kwargs = dict(
-        a_tensor=a, padded_offsets=padded_offsets, alpha_tensor=alpha, bias_tensor=bias, d_dtype=out_dtype
+        a_tensor=a,
+        padded_offsets=padded_offsets,
+        alpha_tensor=alpha,
+        bias_tensor=bias,
+        prob_tensor=prob,
+        d_dtype=out_dtype,
     )
     kwargs["d_tensor"] = d_tensor
     if weight is not None:

@@ -48,7 +48,7 @@ BLACKWELL_WRAPPERS: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "grouped_gemm_wrapper_sm100": (
         ("a_tensor", "padded_offsets", "alpha_tensor", "b_tensor", "bias_tensor", "b_ptrs", "n", "b_dtype")
-        + ("b_major", "d_dtype", "d_tensor"),
+        + ("b_major", "d_dtype", "d_tensor", "prob_tensor"),
         "supports_bf16_canonical_layouts",
     ),
     "grouped_gemm_quant_wrapper_sm100": (

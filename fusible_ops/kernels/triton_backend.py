@@ -149,7 +149,7 @@ class TritonBackend(GroupedGemmBackend):
         return triton_kernels.grouped_mm(
             x,
             weight.transpose(1, 2),
-            offsets,
+            offsets.contiguous(),
             result,
             bias=bias,
             zero_tail=out is None,
@@ -185,7 +185,13 @@ class TritonBackend(GroupedGemmBackend):
             out if out is not None else torch.empty(rows, k_in, dtype=grad_out.dtype, device=grad_out.device)
         )
         return triton_kernels.grouped_mm(
-            grad_out, weight, offsets, result, bias=None, zero_tail=out is None, autotune=autotune_enabled()
+            grad_out,
+            weight,
+            offsets.contiguous(),
+            result,
+            bias=None,
+            zero_tail=out is None,
+            autotune=autotune_enabled(),
         )
 
     def wgrad(
@@ -210,7 +216,7 @@ class TritonBackend(GroupedGemmBackend):
         from . import triton_kernels
 
         result = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-        return triton_kernels.wgrad(grad_out, x, offsets, result, autotune=autotune_enabled())
+        return triton_kernels.wgrad(grad_out, x, offsets.contiguous(), result, autotune=autotune_enabled())
 
     def bias_grad(
         self, grad_out: torch.Tensor, split_sizes: list[int] | None, offsets: torch.Tensor, num_groups: int
@@ -247,7 +253,7 @@ class TritonBackend(GroupedGemmBackend):
         from . import triton_kernels
 
         return triton_kernels.fc1_act(
-            x, weight, bias, offsets, activation, _scales_1d(scales), autotune=autotune_enabled()
+            x, weight, bias, offsets.contiguous(), activation, _scales_1d(scales), autotune=autotune_enabled()
         )
 
     def fc2_dgrad_act(
@@ -291,7 +297,13 @@ class TritonBackend(GroupedGemmBackend):
         from . import triton_kernels
 
         grad_pre, grad_scales, act = triton_kernels.fc2_dgrad_act(
-            grad_y, weight, pre, offsets, activation, _scales_1d(scales), autotune=autotune_enabled()
+            grad_y,
+            weight,
+            pre,
+            offsets.contiguous(),
+            activation,
+            _scales_1d(scales),
+            autotune=autotune_enabled(),
         )
         if grad_scales is not None:
             grad_scales = grad_scales.to(scales.dtype).reshape(scales.shape)
