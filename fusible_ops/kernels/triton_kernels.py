@@ -507,10 +507,12 @@ _KERNELS = {
     "wgrad": _wgrad_kernel,
 }
 # Autotune keys: shapes that pick a tile config; rows enter as a power-of-two bucket.
+# The compile-time flags are part of the key: a config tuned for one activation or
+# epilogue is not reused for another.
 _AUTOTUNE_KEYS = {
-    "mm": ["R", "J", "G", "M_BUCKET"],
-    "fc1_act": ["N_ACT", "K", "G", "M_BUCKET"],
-    "fc2_dgrad_act": ["N_ACT", "H", "G", "M_BUCKET"],
+    "mm": ["R", "J", "G", "M_BUCKET", "HAS_BIAS"],
+    "fc1_act": ["N_ACT", "K", "G", "M_BUCKET", "KIND", "GATED", "HAS_BIAS", "HAS_SCALES"],
+    "fc2_dgrad_act": ["N_ACT", "H", "G", "M_BUCKET", "KIND", "GATED", "HAS_SCALES"],
     "wgrad": ["N", "K", "G", "M_BUCKET"],
 }
 _autotuned: dict[str, object] = {}
@@ -668,13 +670,14 @@ def fc2_dgrad_act(
     if m == 0 or n_act == 0:
         grad_scales = torch.zeros(m, dtype=torch.float32, device=device) if scales is not None else None
         return grad_pre.zero_(), grad_scales, act
-    # Room for the narrowest column tile of any candidate config; only the first
-    # cdiv(n_act, BLOCK_N) rows of the config that ran are written, and only those are summed.
+    # Room for the narrowest column tile of any candidate config; the config that ran
+    # writes its first cdiv(n_act, BLOCK_N) rows and the rest stay zero, so summing every
+    # row is right whichever config ran (no reliance on reading back the tuner's choice).
     configs = [_INTERPRETER_CONFIG] if INTERPRETED else _GPU_CONFIGS["fc2_dgrad_act"]
     min_block_n = min(c.kwargs["BLOCK_N"] for c in configs)
-    partial = torch.empty(triton.cdiv(n_act, min_block_n), m, dtype=torch.float32, device=device)
+    partial = torch.zeros(triton.cdiv(n_act, min_block_n), m, dtype=torch.float32, device=device)
     scales_arg = scales if scales is not None else pre
-    ran = _run(
+    _run(
         "fc2_dgrad_act", autotune, _row_grid(m, num_groups, n_act),
         grad_y, weight, pre, scales_arg, grad_pre, act, partial, offsets,
         m, n_act, h, num_groups, _m_bucket(m),
@@ -690,7 +693,7 @@ def fc2_dgrad_act(
     )  # fmt: skip
     grad_scales = None
     if scales is not None:
-        grad_scales = partial[: triton.cdiv(n_act, ran["BLOCK_N"])].sum(0)
+        grad_scales = partial.sum(0)
     return grad_pre, grad_scales, act
 
 
