@@ -100,3 +100,62 @@ def host_split_sizes(split_sizes: Sequence[int] | None, offsets: torch.Tensor) -
     if any(s < 0 for s in sizes):
         raise ValueError(f"offsets must be non-decreasing, got {ends}")
     return sizes
+
+
+def check_fprop(
+    where: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    split_sizes: list[int] | None,
+    offsets: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """Every check of a backend's ``fprop``; returns ``(groups, out_features, in_features)``."""
+    groups = check_operands(where, x, weight, split_sizes, offsets, lhs_name="x", rhs_name="weight")
+    check_weight(where, weight, groups)
+    n_out, k_in = weight.shape[1], weight.shape[2]
+    if x.shape[1] != k_in:
+        raise ValueError(f"{where}: x has {x.shape[1]} features but weight expects {k_in}")
+    check_bias(where, bias, groups, n_out, x.dtype)
+    check_out(where, out, (x.shape[0], n_out), x.dtype, x.device)
+    return groups, n_out, k_in
+
+
+def check_dgrad(
+    where: str,
+    grad_out: torch.Tensor,
+    weight: torch.Tensor,
+    split_sizes: list[int] | None,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """Every check of a backend's ``dgrad``; returns ``(groups, out_features, in_features)``."""
+    groups = check_operands(
+        where, grad_out, weight, split_sizes, offsets, lhs_name="grad_out", rhs_name="weight"
+    )
+    check_weight(where, weight, groups)
+    n_out, k_in = weight.shape[1], weight.shape[2]
+    if grad_out.shape[1] != n_out:
+        raise ValueError(f"{where}: grad_out has {grad_out.shape[1]} features but weight has {n_out} outputs")
+    check_out(where, out, (grad_out.shape[0], k_in), grad_out.dtype, grad_out.device)
+    return groups, n_out, k_in
+
+
+def check_wgrad(
+    where: str,
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    split_sizes: list[int] | None,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """Every check of a backend's ``wgrad``; returns the result shape ``(groups, N, K)``."""
+    groups = check_operands(where, grad_out, x, split_sizes, offsets, lhs_name="grad_out", rhs_name="x")
+    if x.dim() != 2 or x.shape[0] != grad_out.shape[0]:
+        raise ValueError(
+            f"{where}: x must be [{grad_out.shape[0]}, in] like grad_out's rows, got {tuple(x.shape)}"
+        )
+    shape = (groups, grad_out.shape[1], x.shape[1])
+    check_out(where, out, shape, x.dtype, x.device)
+    return shape

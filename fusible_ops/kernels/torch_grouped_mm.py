@@ -22,7 +22,11 @@ from __future__ import annotations
 import torch
 
 from .base import GroupedGemmBackend, group_ids_from_offsets
-from .grouped_checks import check_bias, check_operands, check_out, check_weight
+from .grouped_checks import (
+    check_dgrad,
+    check_fprop,
+    check_wgrad,
+)
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ALIGN_BYTES = 16
@@ -120,13 +124,7 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
     ) -> torch.Tensor:
         """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``: ``[M, K] -> [M, N]``."""
         where = f"{self.name}.fprop"
-        groups = check_operands(where, x, weight, split_sizes, offsets, lhs_name="x", rhs_name="weight")
-        check_weight(where, weight, groups)
-        n_out, k_in = weight.shape[1], weight.shape[2]
-        if x.shape[1] != k_in:
-            raise ValueError(f"{where}: x has {x.shape[1]} features but weight expects {k_in}")
-        check_bias(where, bias, groups, n_out, x.dtype)
-        check_out(where, out, (x.shape[0], n_out), x.dtype, x.device)
+        groups, n_out, k_in = check_fprop(where, x, weight, split_sizes, offsets, bias, out)
         self._check_layout(where, k_in, n_out, x.dtype)
         if x.shape[0] == 0:
             return out if out is not None else x.new_empty(0, n_out)
@@ -149,16 +147,7 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
     ) -> torch.Tensor:
         """``out[rows_g] = grad_out[rows_g] @ weight[g]``: ``[M, N] -> [M, K]``."""
         where = f"{self.name}.dgrad"
-        groups = check_operands(
-            where, grad_out, weight, split_sizes, offsets, lhs_name="grad_out", rhs_name="weight"
-        )
-        check_weight(where, weight, groups)
-        n_out, k_in = weight.shape[1], weight.shape[2]
-        if grad_out.shape[1] != n_out:
-            raise ValueError(
-                f"{where}: grad_out has {grad_out.shape[1]} features but weight has {n_out} outputs"
-            )
-        check_out(where, out, (grad_out.shape[0], k_in), grad_out.dtype, grad_out.device)
+        groups, n_out, k_in = check_dgrad(where, grad_out, weight, split_sizes, offsets, out)
         self._check_layout(where, k_in, n_out, grad_out.dtype)
         if grad_out.shape[0] == 0:
             return out if out is not None else grad_out.new_empty(0, k_in)
@@ -176,13 +165,7 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
     ) -> torch.Tensor:
         """``out[g] = grad_out[rows_g].T @ x[rows_g]``: ``[G, N, K]``, zeros for empty groups."""
         where = f"{self.name}.wgrad"
-        groups = check_operands(where, grad_out, x, split_sizes, offsets, lhs_name="grad_out", rhs_name="x")
-        if x.dim() != 2 or x.shape[0] != grad_out.shape[0]:
-            raise ValueError(
-                f"{where}: x must be [{grad_out.shape[0]}, in] like grad_out's rows, got {tuple(x.shape)}"
-            )
-        shape = (groups, grad_out.shape[1], x.shape[1])
-        check_out(where, out, shape, x.dtype, x.device)
+        shape = check_wgrad(where, grad_out, x, split_sizes, offsets, out)
         self._check_layout(where, x.shape[1], grad_out.shape[1], x.dtype)
         if grad_out.shape[0] == 0:
             return out.zero_() if out is not None else x.new_zeros(shape)
