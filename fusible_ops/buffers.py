@@ -110,3 +110,11 @@ def validate_or_alloc_rows(
     return validate_or_alloc_output(
         buffer, shape, dtype, device, op_name=op_name, key=key, no_overlap=no_overlap
     )
+
+
+def buffer_rows(buffer: torch.Tensor | None, num_rows: int, features: int) -> torch.Tensor | None:
+    """The first ``num_rows`` rows of an already validated buffer, as ``[num_rows, features]``.
+
+    For ops that checked their buffers in ``preflight``: the compute path only slices.
+    """
+    return None if buffer is None else buffer.view(-1, features)[:num_rows]

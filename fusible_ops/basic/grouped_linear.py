@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_rows
+from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, validate_or_alloc_rows
 from ..dtypes import cast, compute_dtype
 from ..kernels import GroupedGemmBackend, select_backend
 from ..op import BasicOperation, OperationContext, TensorMeta
@@ -145,10 +145,7 @@ class GroupedLinear(BasicOperation):
         splits = to_split_info(split_sizes, x.shape[0], x.device)
         backend = self.backend_for(x.device, x.dtype)
         out_shape = (*input_.shape[:-1], self.out_features)
-        out = None
-        if output is not None:
-            out = validate_or_alloc_rows(output, out_shape, x.dtype, x.device, op_name=self.op_name())
-        out2d = None if out is None else out.view(-1, self.out_features)
+        out2d = buffer_rows(output, x.shape[0], self.out_features)  # checked in preflight
         y = backend.fprop(x, weight, splits.host, splits.offsets, bias=bias, out=out2d)
         if ctx.requires_grad:
             # Parameters are read from the module in backward, not saved: only
@@ -161,7 +158,7 @@ class GroupedLinear(BasicOperation):
             # The grad-input buffer is a destination, not saved state: it must stay the
             # caller's own memory even when saved-tensor hooks offload what is saved.
             ctx.grad_input_buffer = grad_input
-        return out if out is not None else y.view(out_shape)
+        return y.view(out_shape)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         saved = ctx.saved
@@ -171,16 +168,7 @@ class GroupedLinear(BasicOperation):
             dy = dy.contiguous()
         grad_input = None
         if ctx.input_requires_grad:
-            out = None
-            if ctx.grad_input_buffer is not None:
-                out = validate_or_alloc_rows(
-                    ctx.grad_input_buffer,
-                    ctx.input_shape,
-                    dy.dtype,
-                    dy.device,
-                    op_name=self.op_name(),
-                    key=GRAD_INPUT_BUFFER_KEY,
-                ).view(-1, self.in_features)
+            out = buffer_rows(ctx.grad_input_buffer, dy.shape[0], self.in_features)
             weight = cast(self.weight, ctx.compute_dtype)
             grad_input = backend.dgrad(dy, weight, ctx.host_splits, saved["offsets"], out=out)
             grad_input = grad_input.view(ctx.input_shape)

@@ -19,7 +19,7 @@ from ..basic.activations import Activation
 from ..basic.grouped_linear import GroupedLinear
 from ..basic.scale import Scale
 from ..basic.scaled_activations import ScaledActivation
-from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_rows
+from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows
 from ..dtypes import cast, compute_dtype
 from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
@@ -67,12 +67,8 @@ class GroupedMLP(FusedOperation):
         scales_in = basic_op_extra_inputs[self._scales_position()][0]
         scales = scales_in.reshape(-1)
         out_shape = (*input_.shape[:-1], fc2.out_features)
-        out = None
-        if basic_op_kwargs[2].get(OUTPUT_BUFFER_KEY) is not None:
-            out = validate_or_alloc_rows(
-                basic_op_kwargs[2][OUTPUT_BUFFER_KEY], out_shape, x.dtype, x.device, op_name=fc2.op_name()
-            )
-        out2d = None if out is None else out.view(-1, fc2.out_features)
+        # buffers were checked in preflight: only the first rows are taken here
+        out2d = buffer_rows(basic_op_kwargs[2].get(OUTPUT_BUFFER_KEY), x.shape[0], fc2.out_features)
 
         pre, act = kernels.fc1_fprop_act(
             x,
@@ -103,7 +99,7 @@ class GroupedMLP(FusedOperation):
             # a destination, not saved state (see GroupedLinear.op_forward)
             ctx1.grad_input_buffer = basic_op_kwargs[0].get(GRAD_INPUT_BUFFER_KEY)
         extra_outputs = [()] * len(basic_op_ctxs)
-        return (out if out is not None else y.view(out_shape)), extra_outputs
+        return y.view(out_shape), extra_outputs
 
     # ------------------------------------------------------------ backward
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
@@ -138,16 +134,7 @@ class GroupedMLP(FusedOperation):
 
         grad_input = None
         if ctx1.input_requires_grad:
-            out = None
-            if ctx1.grad_input_buffer is not None:
-                out = validate_or_alloc_rows(
-                    ctx1.grad_input_buffer,
-                    ctx1.input_shape,
-                    grad_pre.dtype,
-                    grad_pre.device,
-                    op_name=fc1.op_name(),
-                    key=GRAD_INPUT_BUFFER_KEY,
-                ).view(-1, fc1.in_features)
+            out = buffer_rows(ctx1.grad_input_buffer, grad_pre.shape[0], fc1.in_features)
             grad_input = kernels.dgrad(grad_pre, w1, host, offsets, out=out).view(ctx1.input_shape)
         grad_w1 = kernels.wgrad(grad_pre, saved["x"], host, offsets) if fc1.weight.requires_grad else None
         grad_b1 = None
