@@ -21,7 +21,7 @@ import sys
 import torch
 
 from .activation import ActivationSpec
-from .base import GroupedGemmBackend, group_ids_from_offsets
+from .base import GroupedGemmBackend
 from .grouped_checks import (
     check_bias,
     check_dgrad,
@@ -203,16 +203,6 @@ class TritonBackend(GroupedGemmBackend):
 
         result = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
         return triton_kernels.wgrad(grad_out, x, offsets.contiguous(), result, autotune=autotune_enabled())
-
-    def bias_grad(
-        self, grad_out: torch.Tensor, split_sizes: list[int] | None, offsets: torch.Tensor, num_groups: int
-    ) -> torch.Tensor:
-        """``[G, N]`` per-group column sums (fp32 accumulation); rows past ``offsets[-1]`` are ignored."""
-        group_ids = group_ids_from_offsets(offsets, grad_out.shape[0]).clamp(max=num_groups)
-        # one extra bin collects the tail rows (group id G), so no host sync is needed to skip them
-        acc = torch.zeros(num_groups + 1, grad_out.shape[-1], dtype=torch.float32, device=grad_out.device)
-        acc.index_add_(0, group_ids, grad_out.float())
-        return acc[:num_groups].to(grad_out.dtype)
 
     # ------------------------------------------------------------ fused entry points
     def fc1_fprop_act(

@@ -236,6 +236,25 @@ def _gated_columns(cols, N_ACT, GATED: tl.constexpr, INTERLEAVE: tl.constexpr):
 
 
 @triton.jit
+def _act_tile(
+    offsets_ptr, M, N_ACT, G,
+    GATED: tl.constexpr, INTERLEAVE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One program's tile in the fused activation kernels: its column tile, group, rows,
+    activation columns, masks, and the gate / linear columns those read in ``pre``."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M) + G + 1
+    num_pid_n = tl.cdiv(N_ACT, BLOCK_N)
+    pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
+    group, row_start, row_end = _row_tile(pid_m, offsets_ptr, G, M, BLOCK_M, BLOCK_G)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_cols, lin_cols = _gated_columns(cols, N_ACT, GATED, INTERLEAVE)
+    return pid_n, group, rows, cols, rows < row_end, cols < N_ACT, gate_cols, lin_cols
+
+
+@triton.jit
 def _fc1_act_kernel(
     x_ptr, w_ptr, bias_ptr, scales_ptr, pre_ptr, act_ptr, offsets_ptr,
     M, N_ACT, K, G, M_BUCKET,
@@ -259,18 +278,10 @@ def _fc1_act_kernel(
     activation runs in the epilogue. The activation reads ``pre`` rounded to its dtype,
     exactly what the backward pass will recompute it from.
     """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M) + G + 1
-    num_pid_n = tl.cdiv(N_ACT, BLOCK_N)
-    pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
-    group, row_start, row_end = _row_tile(pid_m, offsets_ptr, G, M, BLOCK_M, BLOCK_G)
-
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rows < row_end
-    mask_j = cols < N_ACT
+    pid_n, group, rows, cols, mask_m, mask_j, gate_cols, lin_cols = _act_tile(
+        offsets_ptr, M, N_ACT, G, GATED, INTERLEAVE, BLOCK_M, BLOCK_N, BLOCK_G, GROUP_M
+    )
     mask = mask_m[:, None] & mask_j[None, :]
-    gate_cols, lin_cols = _gated_columns(cols, N_ACT, GATED, INTERLEAVE)
     rows64 = rows[:, None].to(tl.int64)
     pre_gate_ptrs = pre_ptr + rows64 * stride_pm + gate_cols[None, :] * stride_pn
     pre_lin_ptrs = pre_ptr + rows64 * stride_pm + lin_cols[None, :] * stride_pn
@@ -343,18 +354,10 @@ def _fc2_dgrad_act_kernel(
     partial row sums ``sum_j act * grad_act`` into ``partial [num_col_tiles, M]`` (fp32),
     which the launcher reduces into the scales' gradient (deterministic: no atomics).
     """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M) + G + 1
-    num_pid_n = tl.cdiv(N_ACT, BLOCK_N)
-    pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
-    group, row_start, row_end = _row_tile(pid_m, offsets_ptr, G, M, BLOCK_M, BLOCK_G)
-
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rows < row_end
-    mask_j = cols < N_ACT
+    pid_n, group, rows, cols, mask_m, mask_j, gate_cols, lin_cols = _act_tile(
+        offsets_ptr, M, N_ACT, G, GATED, INTERLEAVE, BLOCK_M, BLOCK_N, BLOCK_G, GROUP_M
+    )
     mask = mask_m[:, None] & mask_j[None, :]
-    gate_cols, lin_cols = _gated_columns(cols, N_ACT, GATED, INTERLEAVE)
     rows64 = rows[:, None].to(tl.int64)
     gp_gate_ptrs = grad_pre_ptr + rows64 * stride_gm + gate_cols[None, :] * stride_gn
     gp_lin_ptrs = grad_pre_ptr + rows64 * stride_gm + lin_cols[None, :] * stride_gn
