@@ -534,17 +534,17 @@ def test_no_host_sync_and_cuda_graph(backend: TritonBackend) -> None:
 
 @needs_cuda
 def test_autotune_cached_per_shape(backend: TritonBackend) -> None:
-    from fusible_ops.kernels import triton_kernels
+    from fusible_ops.kernels import triton_launch
 
     dtype = torch.bfloat16
     w = rand(2, 256, 128, dtype=dtype)
     x = rand(300, 128, dtype=dtype)
     backend.fprop(x, w, None, offsets_of([100, 200]))
-    before = triton_kernels.autotune_cache_sizes()["mm"]
+    before = triton_launch.autotune_cache_sizes()["mm"]
     backend.fprop(x[:290], w, None, offsets_of([90, 200]))  # same power-of-two row bucket
-    assert triton_kernels.autotune_cache_sizes()["mm"] == before
+    assert triton_launch.autotune_cache_sizes()["mm"] == before
     backend.fprop(x, w[:, :128], None, offsets_of([100, 200]))  # new shape: tuned once more
-    assert triton_kernels.autotune_cache_sizes()["mm"] == before + 1
+    assert triton_launch.autotune_cache_sizes()["mm"] == before + 1
 
 
 # ---------------------------------------------------------------- through the public API

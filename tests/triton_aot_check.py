@@ -64,6 +64,7 @@ def main() -> int:
         print("unset TRITON_INTERPRET: this check compiles the kernels")
         return _API_MISMATCH
     from fusible_ops.kernels import triton_kernels as tk
+    from fusible_ops.kernels.triton_launch import _GPU_CONFIGS
 
     bf16, i32, f32 = "*bf16", "*i32", "*fp32"
     failures = 0
@@ -74,14 +75,14 @@ def main() -> int:
                 dict(a_ptr=bf16, b_ptr=bf16, bias_ptr=bf16, c_ptr=bf16, offsets_ptr=i32),
                 dict(HAS_BIAS=True, ZERO_TAIL=True, BLOCK_G=16),
                 ["stride_ar", "stride_br", "stride_cj", "stride_biasj"],
-                tk._GPU_CONFIGS["mm"][0],
+                _GPU_CONFIGS["mm"][0],
             ),
             (  # dgrad: b = weight, unit stride along the output columns
                 tk._grouped_mm_kernel,
                 dict(a_ptr=bf16, b_ptr=bf16, bias_ptr=bf16, c_ptr=bf16, offsets_ptr=i32),
                 dict(HAS_BIAS=False, ZERO_TAIL=False, BLOCK_G=16),
                 ["stride_ar", "stride_bj", "stride_cj"],
-                tk._GPU_CONFIGS["mm"][1],
+                _GPU_CONFIGS["mm"][1],
             ),
             (
                 tk._fc1_act_kernel,
@@ -96,7 +97,7 @@ def main() -> int:
                 ),
                 dict(KIND=7, GATED=True, INTERLEAVE=1, HAS_BIAS=True, HAS_SCALES=True, BLOCK_G=16),
                 ["stride_xk", "stride_wk", "stride_biasn", "stride_s", "stride_pn", "stride_actn"],
-                tk._GPU_CONFIGS["fc1_act"][0],
+                _GPU_CONFIGS["fc1_act"][0],
             ),
             (
                 tk._fc2_dgrad_act_kernel,
@@ -112,14 +113,14 @@ def main() -> int:
                 ),  # fmt: skip
                 dict(KIND=4, GATED=True, INTERLEAVE=0, HAS_SCALES=True, BLOCK_G=16),
                 ["stride_dyh", "stride_wn", "stride_pn", "stride_s", "stride_gn", "stride_actn"],
-                tk._GPU_CONFIGS["fc2_dgrad_act"][0],
+                _GPU_CONFIGS["fc2_dgrad_act"][0],
             ),
             (
                 tk._wgrad_kernel,
                 dict(dy_ptr=bf16, x_ptr=bf16, out_ptr=bf16, offsets_ptr=i32),
                 {},
                 ["stride_dyn", "stride_xk", "stride_ok"],
-                tk._GPU_CONFIGS["wgrad"][0],
+                _GPU_CONFIGS["wgrad"][0],
             ),
         ]
         for fn, pointers, constants, unit_strides, config in builds:

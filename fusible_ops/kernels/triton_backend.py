@@ -3,7 +3,7 @@
 Runs on CUDA GPUs of compute capability 8.0+ (Ampere, Hopper) in bfloat16/float16, and,
 for testing only, on CPU tensors in Triton's interpreter (float32/float16) when
 ``TRITON_INTERPRET=1`` is set before Triton is first imported. The kernels live in
-:mod:`fusible_ops.kernels.triton_kernels` and are imported on first use.
+:mod:`fusible_ops.kernels.triton_kernels` (launched by :mod:`fusible_ops.kernels.triton_launch`) and are imported on first use.
 
 Autotuning: the first call for each shape (features, groups, power-of-two row bucket)
 benchmarks a few tile configurations and caches the best; this syncs with the device
@@ -144,10 +144,10 @@ class TritonBackend(GroupedGemmBackend):
         where = f"{self.name}.fprop"
         groups, n_out, k_in = check_fprop(where, x, weight, split_sizes, offsets, bias, out)
         self._require(where, x)
-        from . import triton_kernels
+        from . import triton_launch
 
         result = out if out is not None else torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
-        return triton_kernels.grouped_mm(
+        return triton_launch.grouped_mm(
             x,
             weight.transpose(1, 2),
             offsets.contiguous(),
@@ -170,13 +170,13 @@ class TritonBackend(GroupedGemmBackend):
         where = f"{self.name}.dgrad"
         groups, n_out, k_in = check_dgrad(where, grad_out, weight, split_sizes, offsets, out)
         self._require(where, grad_out)
-        from . import triton_kernels
+        from . import triton_launch
 
         rows = grad_out.shape[0]
         result = (
             out if out is not None else torch.empty(rows, k_in, dtype=grad_out.dtype, device=grad_out.device)
         )
-        return triton_kernels.grouped_mm(
+        return triton_launch.grouped_mm(
             grad_out,
             weight,
             offsets.contiguous(),
@@ -199,10 +199,10 @@ class TritonBackend(GroupedGemmBackend):
         where = f"{self.name}.wgrad"
         shape = check_wgrad(where, grad_out, x, split_sizes, offsets, out)
         self._require(where, x)
-        from . import triton_kernels
+        from . import triton_launch
 
         result = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-        return triton_kernels.wgrad(grad_out, x, offsets.contiguous(), result, autotune=autotune_enabled())
+        return triton_launch.wgrad(grad_out, x, offsets.contiguous(), result, autotune=autotune_enabled())
 
     # ------------------------------------------------------------ fused entry points
     def fc1_fprop_act(
@@ -226,9 +226,9 @@ class TritonBackend(GroupedGemmBackend):
         _check_activation_width(where, activation, n_pre)
         _check_scales(where, scales, x)
         self._require(where, x)
-        from . import triton_kernels
+        from . import triton_launch
 
-        return triton_kernels.fc1_act(
+        return triton_launch.fc1_act(
             x, weight, bias, offsets.contiguous(), activation, _scales_1d(scales), autotune=autotune_enabled()
         )
 
@@ -270,9 +270,9 @@ class TritonBackend(GroupedGemmBackend):
             )
         _check_scales(where, scales, grad_y)
         self._require(where, grad_y)
-        from . import triton_kernels
+        from . import triton_launch
 
-        grad_pre, grad_scales, act = triton_kernels.fc2_dgrad_act(
+        grad_pre, grad_scales, act = triton_launch.fc2_dgrad_act(
             grad_y,
             weight,
             pre,
