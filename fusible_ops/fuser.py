@@ -78,7 +78,6 @@ class _CallState:
     param_versions: list[list[int]] | None = None
     ctxs: list[OperationContext] | None = None
     save_layout: list[tuple[int, tuple[str, ...]]] | None = None
-    num_extra_outputs: int = 0
 
 
 def _owned(output: torch.Tensor, input_: torch.Tensor) -> torch.Tensor:
@@ -156,7 +155,6 @@ class _FuserFunction(torch.autograd.Function):
             func_ctx.state = state
 
         flat_extra_outputs = [_owned(t, input_) for outs in extra_outputs for t in outs]
-        state.num_extra_outputs = len(flat_extra_outputs)
         if flat_extra_outputs:
             return (_owned(x, input_), *flat_extra_outputs)
         return _owned(x, input_)

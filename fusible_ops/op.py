@@ -54,8 +54,6 @@ class OperationContext:
 class FusibleOperation:
     """Anything the fuser can run: a basic op or a fused op."""
 
-    is_fused_op: bool = False
-
     def fuser_forward(
         self,
         basic_op_ctxs: list[OperationContext],
@@ -152,8 +150,6 @@ class FusedOperation(FusibleOperation):
     ``backend`` names the kernel backend chosen when the plan was made (or None);
     ``note`` says anything else the plan should show (skipped backends, copies).
     """
-
-    is_fused_op = True
 
     def __init__(
         self, basic_ops: Sequence[BasicOperation], *, backend: str | None = None, note: str = ""
