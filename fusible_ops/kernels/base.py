@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from .activation import ActivationSpec, scaled_activation_backward, scaled_activation_forward
+from .activation import (
+    ActivationSpec,
+    activation_backward,
+    activation_forward,
+    row_dot,
+    scaled_activation_forward,
+)
 
 
 class GroupedGemmBackend:
@@ -115,8 +121,6 @@ class GroupedGemmBackend:
         """
         pre = self.fprop(x, weight, split_sizes, offsets, bias=bias)
         if scales is None:
-            from .activation import activation_forward
-
             return pre, activation_forward(activation, pre)
         return pre, scaled_activation_forward(activation, pre, scales)
 
@@ -136,12 +140,13 @@ class GroupedGemmBackend:
         recomputed FC2 input (needed for FC2's weight gradient).
         """
         grad_act = self.dgrad(grad_y, weight, split_sizes, offsets)
+        act = activation_forward(activation, pre)  # recomputed once, used three times
         if scales is None:
-            from .activation import activation_backward, activation_forward
-
-            return activation_backward(activation, pre, grad_act), None, activation_forward(activation, pre)
-        grad_pre, grad_scales = scaled_activation_backward(activation, pre, scales, grad_act)
-        return grad_pre, grad_scales, scaled_activation_forward(activation, pre, scales)
+            return activation_backward(activation, pre, grad_act), None, act
+        row_scales = scales.to(act.dtype).unsqueeze(-1)
+        grad_scales = row_dot(act, grad_act, scales.dtype)
+        grad_pre = activation_backward(activation, pre, grad_act * row_scales)
+        return grad_pre, grad_scales, act.mul_(row_scales)
 
 
 def group_ids_from_offsets(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
