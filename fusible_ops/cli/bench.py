@@ -91,25 +91,21 @@ def make_problem(shape: Shape, dtype: torch.dtype, device: torch.device, *, seed
 
 
 # ---------------------------------------------------------------- variants
-# Each variant is ``fn(problem, backward: bool) -> None``; inputs that need grad are
-# made fresh leaves per call so that graphs do not accumulate.
+# Each variant is a forward ``fn(problem, x, probs) -> y``; ``timed_call`` makes fresh
+# input leaves per call so that graphs do not accumulate.
 
 
 def _leaves(p: Problem, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return p.x.detach().requires_grad_(backward), p.probs.detach().requires_grad_(backward)
 
 
-def run_fused(p: Problem, backward: bool) -> None:
-    x, probs = _leaves(p, backward)
-    with torch.set_grad_enabled(backward):
-        y = p.experts(x, p.splits_tensor, probs, p.splits_tensor)
-    if backward:
-        y.backward(p.grad_y)
+def fused_forward(p: Problem, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    return p.experts(x, p.splits_tensor, probs, p.splits_tensor)
 
 
-def run_unfused(p: Problem, backward: bool) -> None:
+def unfused_forward(p: Problem, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     with fo.settings(fusion=False):
-        run_fused(p, backward)
+        return fused_forward(p, x, probs)
 
 
 def _swiglu_scaled(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -117,24 +113,32 @@ def _swiglu_scaled(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up * probs.to(h.dtype).unsqueeze(-1)
 
 
-def run_grouped_mm(p: Problem, backward: bool) -> None:
-    x, probs = _leaves(p, backward)
-    with torch.set_grad_enabled(backward):
-        h = torch._grouped_mm(x, p.w1.transpose(-2, -1), offs=p.offsets)
-        y = torch._grouped_mm(_swiglu_scaled(h, probs), p.w2.transpose(-2, -1), offs=p.offsets)
-    if backward:
-        y.backward(p.grad_y)
+def grouped_mm_forward(p: Problem, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    h = torch._grouped_mm(x, p.w1.transpose(-2, -1), offs=p.offsets)
+    return torch._grouped_mm(_swiglu_scaled(h, probs), p.w2.transpose(-2, -1), offs=p.offsets)
 
 
-def run_loop(p: Problem, backward: bool) -> None:
-    x, probs = _leaves(p, backward)
-    with torch.set_grad_enabled(backward):
-        outs = []
-        for e, (xe, pe) in enumerate(zip(x.split(p.split_sizes), probs.split(p.split_sizes))):
-            outs.append(F.linear(_swiglu_scaled(F.linear(xe, p.w1[e]), pe), p.w2[e]))
-        y = torch.cat(outs)
-    if backward:
-        y.backward(p.grad_y)
+def loop_forward(p: Problem, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    outs = []
+    for e, (xe, pe) in enumerate(zip(x.split(p.split_sizes), probs.split(p.split_sizes))):
+        outs.append(F.linear(_swiglu_scaled(F.linear(xe, p.w1[e]), pe), p.w2[e]))
+    return torch.cat(outs)
+
+
+Forward = Callable[[Problem, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def timed_call(forward: Forward) -> Callable[[Problem, bool], None]:
+    """``run(problem, backward)``: one forward (and backward) on fresh input leaves."""
+
+    def run(p: Problem, backward: bool) -> None:
+        x, probs = _leaves(p, backward)
+        with torch.set_grad_enabled(backward):
+            y = forward(p, x, probs)
+        if backward:
+            y.backward(p.grad_y)
+
+    return run
 
 
 class DenseBound:
@@ -165,7 +169,7 @@ def flops(shape: Shape, backward: bool) -> float:
     return forward * (3 if backward else 1)
 
 
-def saved_bytes(fn: Callable[[Problem, bool], None], p: Problem) -> int:
+def saved_bytes(forward: Forward, p: Problem) -> int:
     """Bytes of distinct activation storage saved for backward (parameters excluded)."""
     param_ptrs = {t.untyped_storage().data_ptr() for t in p.experts.parameters()}
     seen: dict[int, int] = {}
@@ -178,17 +182,7 @@ def saved_bytes(fn: Callable[[Problem, bool], None], p: Problem) -> int:
 
     x, probs = _leaves(p, True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if fn is run_fused or fn is run_unfused:
-            with fo.settings(fusion=fn is run_fused):
-                y = p.experts(x, p.splits_tensor, probs, p.splits_tensor)
-        elif fn is run_grouped_mm:
-            h = torch._grouped_mm(x, p.w1.transpose(-2, -1), offs=p.offsets)
-            y = torch._grouped_mm(_swiglu_scaled(h, probs), p.w2.transpose(-2, -1), offs=p.offsets)
-        else:
-            outs = []
-            for e, (xe, pe) in enumerate(zip(x.split(p.split_sizes), probs.split(p.split_sizes))):
-                outs.append(F.linear(_swiglu_scaled(F.linear(xe, p.w1[e]), pe), p.w2[e]))
-            y = torch.cat(outs)
+        y = forward(p, x, probs)
     del y
     return sum(seen.values())
 
@@ -220,11 +214,11 @@ def time_interleaved(
     return times
 
 
-VARIANTS: dict[str, Callable[[Problem, bool], None]] = {
-    "fused": run_fused,
-    "unfused": run_unfused,
-    "grouped_mm": run_grouped_mm,
-    "loop": run_loop,
+FORWARDS: dict[str, Forward] = {
+    "fused": fused_forward,
+    "unfused": unfused_forward,
+    "grouped_mm": grouped_mm_forward,
+    "loop": loop_forward,
 }
 
 
@@ -239,7 +233,7 @@ def run_bench(
     """Run the benchmark; returns a JSON-ready dict of the results."""
     dev = torch.device(device)
     p = make_problem(shape, dtype, dev)
-    variants = {name: fn for name, fn in VARIANTS.items() if name in include}
+    variants = {name: timed_call(fn) for name, fn in FORWARDS.items() if name in include}
     if "dense" in include:
         variants["dense"] = DenseBound(p)
     plan = p.experts.explain(p.x.detach().requires_grad_(), p.splits_tensor, p.probs, p.splits_tensor)
@@ -255,9 +249,9 @@ def run_bench(
         "modes": {},
         "saved_bytes": {},
     }
-    for name, fn in variants.items():
-        if name != "dense":
-            results["saved_bytes"][name] = saved_bytes(fn, p)
+    for name, forward in FORWARDS.items():
+        if name in include:
+            results["saved_bytes"][name] = saved_bytes(forward, p)
     for mode, backward in (("forward", False), ("forward+backward", True)):
         times = time_interleaved(variants, p, backward, repeats, warmup)
         rows = {}
