@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -12,48 +12,69 @@ import torch
 from .dtypes import compute_dtype
 from .fusion_rules import FusionContext, registered_rules, registry_version
 from .op import BasicOperation, OperationContext, TensorMeta
-from .plan import FusionPlan, PlanEntry
+from .plan import FusionDecision, FusionPlan, PlanEntry
 from .settings import current_settings
 
 _MAX_CACHED_PLANS = 32
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
 _CHEAP_COMPARE_NUMEL = 4096
 
 
-def _extra_input_identity(value: Any) -> tuple[tuple, str]:
+def _extra_input_identity(value: Any, by_value: bool) -> tuple[tuple, str]:
     """A key under which equal extra inputs collide when equality is cheap to see.
 
     Integer lists and small integer CPU tensors compare by value; anything else (a
-    device tensor, whose values would need a host sync) only by identity.
+    device tensor, whose values would need a host sync) only by identity. While
+    tracing (``by_value=False``) tensors compare by identity only: reading their
+    values would be a host read in the graph.
     """
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
         return ("values", tuple(value)), "list"
     if isinstance(value, torch.Tensor):
         kind = f"{value.device.type} tensor"
         if (
-            value.device.type == "cpu"
+            by_value
+            and value.device.type == "cpu"
             and not value.is_floating_point()
             and value.dim() == 1
             and value.numel() <= _CHEAP_COMPARE_NUMEL
         ):
             return ("values", tuple(value.tolist())), kind
-        return ("object", id(value)), kind
-    return ("object", id(value)), type(value).__name__
+        return ("object", value), kind
+    return ("object", value), type(value).__name__
 
 
 def _classify_extra_inputs(
     extra_inputs: list[tuple[Any, ...]],
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[str, ...], ...]]:
-    seen: dict[tuple, int] = {}
+    by_value = not torch.compiler.is_compiling()
+    seen: list[tuple] = []
     classes, kinds = [], []
     for op_inputs in extra_inputs:
         op_classes, op_kinds = [], []
         for value in op_inputs:
-            identity, kind = _extra_input_identity(value)
-            op_classes.append(seen.setdefault(identity, len(seen)))
+            identity, kind = _extra_input_identity(value, by_value)
+            for index, known in enumerate(seen):
+                if _same_identity(known, identity):
+                    break
+            else:
+                index = len(seen)
+                seen.append(identity)
+            op_classes.append(index)
             op_kinds.append(kind)
         classes.append(tuple(op_classes))
         kinds.append(tuple(op_kinds))
     return tuple(classes), tuple(kinds)
+
+
+def _same_identity(a: tuple, b: tuple) -> bool:
+    if a[0] != b[0]:
+        return False
+    return a[1] is b[1] if a[0] == "object" else a[1] == b[1]
 
 
 def _autocast_state(device: torch.device) -> tuple:
@@ -64,20 +85,19 @@ def _autocast_state(device: torch.device) -> tuple:
 
 @dataclass
 class _CallState:
-    """Non-tensor state handed to the autograd Function for one call."""
+    """Non-tensor state handed to the autograd Function for one call (never mutated in it)."""
 
     fuser: OperationFuser
     plan: FusionPlan
     kwargs: list[dict[str, Any]]
     extra_counts: list[int]
-    param_counts: list[int]
+    #: per op, the names of its parameter attributes (None values dropped) in forward's order
+    param_names: list[tuple[str, ...]]
+    #: per op, the parameter names whose value is None (passed to ops as None)
+    absent_params: list[tuple[str, ...]]
+    #: per op, whether each parameter needs a gradient in this call
+    param_requires_grad: list[dict[str, bool]]
     ctx_flags: list[tuple[bool, bool, bool]]
-    #: parameters and their version counters at forward time (ints, not tensors):
-    #: parameters are read in backward, so an in-place change in between is an error
-    params: list[list[torch.nn.Parameter]] | None = None
-    param_versions: list[list[int]] | None = None
-    ctxs: list[OperationContext] | None = None
-    save_layout: list[tuple[int, tuple[str, ...]]] | None = None
 
 
 def _owned(output: torch.Tensor, input_: torch.Tensor) -> torch.Tensor:
@@ -86,8 +106,10 @@ def _owned(output: torch.Tensor, input_: torch.Tensor) -> torch.Tensor:
     Autograd treats a Function output that is a view as non-modifiable in place;
     aliases of caller buffers and fresh tensors are ours to hand out, so the caller
     may modify them (``out.add_(residual)``) like any op's output. Views of the input
-    keep autograd's view tracking.
+    keep autograd's view tracking. Under a tracer, views are left to AOTAutograd.
     """
+    if torch.compiler.is_compiling():
+        return output
     if (
         isinstance(output, torch.Tensor)
         and output._is_view()
@@ -99,32 +121,41 @@ def _owned(output: torch.Tensor, input_: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def _check_param_versions(state: _CallState) -> None:
-    for op, op_params, versions in zip(state.fuser.ops, state.params, state.param_versions):
-        for param, version in zip(op_params, versions):
-            if param._version != version:
-                raise RuntimeError(
-                    f"{op.op_name()}: a parameter of shape {list(param.shape)} was modified in place "
-                    "between forward and backward; its gradient would be wrong"
-                )
+def _op_params(state: _CallState, index: int, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    params: dict[str, Any] = dict(zip(state.param_names[index], tensors))
+    for name in state.absent_params[index]:
+        params[name] = None
+    return params
+
+
+def _split_params(state: _CallState, flat: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+    result, start = [], 0
+    for index, names in enumerate(state.param_names):
+        result.append(_op_params(state, index, flat[start : start + len(names)]))
+        start += len(names)
+    return result
 
 
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, input_: torch.Tensor, state: _CallState, *flat_args: Any):
         num_extra = sum(state.extra_counts)
-        extra_flat, _ = flat_args[:num_extra], flat_args[num_extra:]
+        extra_flat, flat_params = flat_args[:num_extra], flat_args[num_extra:]
         extra_inputs, start = [], 0
         for count in state.extra_counts:
             extra_inputs.append(tuple(extra_flat[start : start + count]))
             start += count
 
         ctxs = []
-        for requires_grad, input_requires_grad, params_require_grad in state.ctx_flags:
+        for params, (requires_grad, input_requires_grad, params_require_grad) in zip(
+            _split_params(state, flat_params), state.ctx_flags
+        ):
             ctx = OperationContext()
             ctx.requires_grad = requires_grad
             ctx.input_requires_grad = input_requires_grad
             ctx.params_require_grad = params_require_grad
+            ctx.params = params
+            ctx.param_requires_grad = state.param_requires_grad[len(ctxs)]
             ctxs.append(ctx)
 
         x = input_
@@ -141,17 +172,19 @@ class _FuserFunction(torch.autograd.Function):
                 extra_outputs[i] = tuple(outs)
 
         if state.plan.requires_grad:
-            to_save: list[torch.Tensor | None] = []
+            # The parameters are saved like any input autograd keeps: backward computes
+            # with this call's values, and autograd's version check catches in-place changes.
+            to_save: list[torch.Tensor | None] = list(flat_params)
             layout = []
             for ctx in ctxs:
                 names = tuple(ctx.to_save_named)
                 to_save.extend(ctx.to_save)
                 to_save.extend(ctx.to_save_named[name] for name in names)
                 layout.append((len(ctx.to_save), names))
-                ctx.to_save, ctx.to_save_named = (), {}
+                ctx.to_save, ctx.to_save_named, ctx.params = (), {}, {}
             func_ctx.save_for_backward(*to_save)
-            state.save_layout = layout
-            state.ctxs = ctxs
+            func_ctx.layout = layout
+            func_ctx.ctxs = ctxs
             func_ctx.state = state
 
         flat_extra_outputs = [_owned(t, input_) for outs in extra_outputs for t in outs]
@@ -163,15 +196,17 @@ class _FuserFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(func_ctx, grad_output: torch.Tensor, *grad_extra_outputs_flat: torch.Tensor):
         state: _CallState = func_ctx.state
-        ctxs = state.ctxs
-        _check_param_versions(state)
         saved = func_ctx.saved_tensors
-        position = 0
-        for ctx, (num_positional, names) in zip(ctxs, state.save_layout):
-            ctx.saved_tensors = tuple(saved[position : position + num_positional])
+        num_params = sum(len(names) for names in state.param_names)
+        params = _split_params(state, saved[:num_params])
+        position = num_params
+        ctxs = []
+        for index, (fwd_ctx, (num_positional, names)) in enumerate(zip(func_ctx.ctxs, func_ctx.layout)):
+            positional = tuple(saved[position : position + num_positional])
             position += num_positional
-            ctx.saved = {name: saved[position + k] for k, name in enumerate(names)}
+            named = {name: saved[position + k] for k, name in enumerate(names)}
             position += len(names)
+            ctxs.append(fwd_ctx.for_backward(positional, named, params[index]))
 
         ops = state.fuser.ops
         grad_extra_outputs, start = [], 0
@@ -179,7 +214,8 @@ class _FuserFunction(torch.autograd.Function):
             grad_extra_outputs.append(tuple(grad_extra_outputs_flat[start : start + op.num_extra_outputs]))
             start += op.num_extra_outputs
 
-        grad_params: list[list[torch.Tensor | None]] = [[None] * n for n in state.param_counts]
+        param_counts = [len(names) for names in state.param_names]
+        grad_params: list[list[torch.Tensor | None]] = [[None] * n for n in param_counts]
         grad_extra_inputs: list[tuple] = [(None,) * n for n in state.extra_counts]
         grad = grad_output
         for entry in reversed(state.plan.backward):
@@ -194,12 +230,8 @@ class _FuserFunction(torch.autograd.Function):
                 basic_op_grad_extra_outputs=[grad_extra_outputs[i] for i in idx],
             )
             for i, g_params, g_extra in zip(idx, op_grad_params, op_grad_extra):
-                grad_params[i] = list(g_params) if g_params else [None] * state.param_counts[i]
+                grad_params[i] = list(g_params) if g_params else [None] * param_counts[i]
                 grad_extra_inputs[i] = tuple(g_extra) if g_extra else (None,) * state.extra_counts[i]
-        # Drop the unpacked tensors (autograd frees its own copies unless retain_graph=True);
-        # the contexts stay so that a retained graph can run backward again.
-        for ctx in ctxs:
-            ctx.saved_tensors, ctx.saved = (), {}
         flat_extra = [g for grads in grad_extra_inputs for g in grads]
         flat_params = [g for grads in grad_params for g in grads]
         return (grad, None, *flat_extra, *flat_params)
@@ -216,11 +248,26 @@ class OperationFuser:
     def __init__(self, ops: Sequence[BasicOperation]) -> None:
         self.ops = list(ops)
         self._plans: OrderedDict[tuple, FusionPlan] = OrderedDict()
+        self._segments: dict[tuple[bool, ...], list] = {}
         self.last_plan: FusionPlan | None = None
 
     # ------------------------------------------------------------ planning
-    def _params(self) -> list[list[torch.nn.Parameter]]:
-        return [list(op.parameters()) for op in self.ops]
+    def _param_dicts(self) -> list[dict[str, torch.Tensor | None]]:
+        dicts = [op.param_tensors() for op in self.ops]
+        for op, params in zip(self.ops, dicts):
+            if op.accepts_dtensor:
+                continue
+            for name, tensor in params.items():
+                if _is_dtensor(tensor):
+                    raise ValueError(
+                        f"{op.op_name()}: parameter {name!r} is a DTensor (sharded, e.g. by fully_shard), "
+                        "which this op's kernels cannot take; apply fully_shard to the op itself (it then "
+                        "runs alone and FSDP unshards it for the call) or to the enclosing Sequential"
+                    )
+        return dicts
+
+    def _params(self) -> list[list[torch.Tensor]]:
+        return [[t for t in d.values() if t is not None] for d in self._param_dicts()]
 
     def _grad_flags(
         self, input_requires_grad: bool, extra_inputs: list[tuple], params: list[list[torch.Tensor]]
@@ -374,22 +421,136 @@ class OperationFuser:
             kwargs = [{} for _ in self.ops]
         else:
             kwargs = [dict(k) if k else {} for k in basic_op_kwargs]
-        params = self._params()
+        hooked = [op.hook_reason() for op in self.ops]
+        if any(hooked):
+            return self._call_segmented(input_, per_op_extra, kwargs, hooked)
+        param_dicts = self._param_dicts()
+        params = [[t for t in d.values() if t is not None] for d in param_dicts]
         self.preflight(input_, per_op_extra, kwargs, params)
         grad_flags = self._grad_flags(input_.requires_grad, per_op_extra, params)
         meta = TensorMeta(tuple(input_.shape), input_.dtype, input_.device)
         plan = self.plan(meta, per_op_extra, kwargs, grad_flags, params)
         self.last_plan = plan
+        flat_extra = [t for op_extra in per_op_extra for t in op_extra]
+        flat_params = [p for op_params in params for p in op_params]
+        if not any(flag[0] for flag in grad_flags):
+            # nothing needs a gradient: no autograd Function, the plan runs directly
+            return self._run_inference(plan, input_, per_op_extra, kwargs, param_dicts)
         state = _CallState(
             fuser=self,
             plan=plan,
             kwargs=kwargs,
             extra_counts=[op.num_extra_inputs for op in self.ops],
-            param_counts=[len(p) for p in params],
+            param_names=[tuple(n for n, t in d.items() if t is not None) for d in param_dicts],
+            absent_params=[tuple(n for n, t in d.items() if t is None) for d in param_dicts],
+            param_requires_grad=[
+                {n: t is not None and t.requires_grad for n, t in d.items()} for d in param_dicts
+            ],
             ctx_flags=grad_flags,
-            params=params,
-            param_versions=[[p._version for p in op_params] for op_params in params],
         )
-        flat_extra = [t for op_extra in per_op_extra for t in op_extra]
-        flat_params = [p for op_params in params for p in op_params]
         return _FuserFunction.apply(input_, state, *flat_extra, *flat_params)
+
+    def _run_inference(
+        self,
+        plan: FusionPlan,
+        input_: torch.Tensor,
+        extra_inputs: list[tuple],
+        kwargs: list[dict],
+        param_dicts: list[dict[str, torch.Tensor | None]],
+    ):
+        ctxs = []
+        for params in param_dicts:
+            ctx = OperationContext()
+            ctx.params = params
+            ctxs.append(ctx)
+        x = input_
+        extra_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(ctxs)
+        with torch.no_grad():
+            for entry in plan.forward:
+                idx = entry.indices
+                x, op_extra_outputs = entry.op.fuser_forward(
+                    [ctxs[i] for i in idx],
+                    x,
+                    basic_op_extra_inputs=[extra_inputs[i] for i in idx],
+                    basic_op_kwargs=[kwargs[i] for i in idx],
+                )
+                for i, outs in zip(idx, op_extra_outputs):
+                    extra_outputs[i] = tuple(outs)
+        flat_extra_outputs = [t for outs in extra_outputs for t in outs]
+        return (x, *flat_extra_outputs) if flat_extra_outputs else x
+
+    # ------------------------------------------------------------ ops with hooks
+    def _call_segmented(
+        self, input_: torch.Tensor, extra_inputs: list[tuple], kwargs: list[dict], hooked: list[str | None]
+    ):
+        """Ops with module hooks run alone through ``nn.Module.__call__`` so the hooks fire
+        with the tensors the op sees; the runs between them are fused as usual."""
+        segments = self._segments.get(tuple(bool(h) for h in hooked))
+        if segments is None:
+            segments, run = [], []
+            for i, reason in enumerate(hooked):
+                if reason is None:
+                    run.append(i)
+                    continue
+                if run:
+                    segments.append((run, OperationFuser([self.ops[j] for j in run])))
+                    run = []
+                segments.append(([i], None))
+            if run:
+                segments.append((run, OperationFuser([self.ops[j] for j in run])))
+            self._segments[tuple(bool(h) for h in hooked)] = segments
+        x = input_
+        extra_outputs: list[torch.Tensor] = []
+        for indices, fuser in segments:
+            if fuser is None:
+                i = indices[0]
+                result = self.ops[i](x, *extra_inputs[i], **kwargs[i])
+            else:
+                result = fuser(
+                    x, *[t for i in indices for t in extra_inputs[i]], basic_op_kwargs=[kwargs[i] for i in indices]
+                )
+            if isinstance(result, tuple):
+                x, *outs = result
+                extra_outputs.extend(outs)
+            else:
+                x = result
+        self.last_plan = self._segmented_plan(segments, hooked)
+        return (x, *extra_outputs) if extra_outputs else x
+
+    def _segmented_plan(self, segments: list, hooked: list[str | None]) -> FusionPlan:
+        forward, backward, decisions = [], [], []
+        template = None
+        for indices, fuser in segments:
+            first = indices[0]
+            if fuser is None:
+                op = self.ops[first]
+                entry = PlanEntry(op, (first,), getattr(op, "last_backend", None))
+                forward.append(entry)
+                backward.append(entry)
+                decisions.append(
+                    FusionDecision(
+                        "module_hooks",
+                        "joint",
+                        (first,),
+                        False,
+                        reason=f"{hooked[first]} on op {first} ({op.op_name()}): it runs alone, unfused, "
+                        "through nn.Module.__call__",
+                    )
+                )
+                continue
+            plan = fuser.last_plan
+            template = plan
+            shift = lambda e: PlanEntry(e.op, tuple(i + first for i in e.indices), e.backend)  # noqa: E731
+            forward.extend(shift(e) for e in plan.forward)
+            backward.extend(shift(e) for e in plan.backward)
+            decisions.extend(replace(d, indices=tuple(i + first for i in d.indices)) for d in plan.decisions)
+        return FusionPlan(
+            op_names=[op.op_name() for op in self.ops],
+            forward=forward,
+            backward=backward,
+            decisions=decisions,
+            fusion_enabled=current_settings().fusion,
+            dtype=template.dtype if template else None,
+            device=template.device if template else None,
+            requires_grad=True,
+        )

@@ -30,16 +30,21 @@ class OperationContext:
       ``requires_grad``: backward will run through this op;
       ``input_requires_grad``: the gradient w.r.t. this op's main input is needed;
       ``params_require_grad``: at least one of this op's parameters needs a gradient.
+    ``params``: the op's parameter tensors of this call by name (see
+    :meth:`BasicOperation.param_tensors`); forward and backward compute with these,
+    never with ``self.weight``, so ``functional_call``, parametrizations and FSDP work.
     Tensors for backward go through :meth:`save_for_backward`, which the fuser hands
     to the autograd context, so saved-tensor hooks see every one of them. After
     forward they are available as ``saved_tensors`` (positional) and ``saved``
-    (named).
+    (named). Backward receives a fresh context carrying a copy of what forward set.
     """
 
     def __init__(self) -> None:
         self.requires_grad = False
         self.input_requires_grad = False
         self.params_require_grad = False
+        self.params: dict[str, torch.Tensor | None] = {}
+        self.param_requires_grad: dict[str, bool] = {}
         self.to_save: tuple[torch.Tensor | None, ...] = ()
         self.to_save_named: dict[str, torch.Tensor | None] = {}
         self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
@@ -49,6 +54,24 @@ class OperationContext:
         """Record tensors for backward (replaces anything saved earlier in this call)."""
         self.to_save = tensors
         self.to_save_named = named
+
+    def needs_param_grad(self, name: str) -> bool:
+        """Whether parameter ``name`` of this call needs a gradient (False when absent)."""
+        return self.param_requires_grad.get(name, False)
+
+    def for_backward(
+        self,
+        saved_tensors: tuple[torch.Tensor | None, ...],
+        saved: dict[str, torch.Tensor | None],
+        params: dict[str, torch.Tensor | None],
+    ) -> OperationContext:
+        """A copy of this context holding the unpacked saved tensors (forward's stays untouched)."""
+        ctx = OperationContext()
+        ctx.__dict__.update(self.__dict__)
+        ctx.saved_tensors = saved_tensors
+        ctx.saved = saved
+        ctx.params = params
+        return ctx
 
 
 class FusibleOperation:
@@ -89,6 +112,39 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
     num_extra_outputs: int = 0
     #: kwargs this op accepts through ``op_kwargs``; anything else is a TypeError
     accepted_kwargs: frozenset[str] = frozenset()
+    #: names of the parameter attributes forward reads, in the order ``op_backward``
+    #: returns their gradients; None: the op's own parameters in registration order
+    param_names: tuple[str, ...] | None = None
+    #: whether DTensor parameters may reach this op (the tensor-parallel linear ops)
+    accepts_dtensor: bool = False
+
+    # ------------------------------------------------------------ parameters and hooks
+    def param_tensors(self) -> dict[str, torch.Tensor | None]:
+        """The tensors this call computes with, read through the attributes.
+
+        Reading ``getattr(self, name)`` (not ``self._parameters``) is what makes
+        ``torch.func.functional_call``, ``torch.nn.utils.parametrize`` and hook-based
+        reparametrizations (``weight_norm``, FSDP2) reach the kernels; the fuser passes
+        these tensors through autograd, so their gradients flow to whatever made them.
+        """
+        names = self.param_names
+        if names is None:
+            names = tuple(self._parameters)
+            parametrized = getattr(self, "parametrizations", None)
+            if parametrized is not None:
+                names += tuple(n for n in parametrized if n not in names)
+        return {name: getattr(self, name) for name in names}
+
+    def hook_reason(self) -> str | None:
+        """Why this op must run alone through ``nn.Module.__call__`` (it has hooks), or None."""
+        kinds = []
+        if self._forward_pre_hooks:
+            kinds.append("forward pre-hook")
+        if self._forward_hooks:
+            kinds.append("forward hook")
+        if self._backward_hooks or self._backward_pre_hooks:
+            kinds.append("backward hook")
+        return " and ".join(kinds) or None
 
     # ------------------------------------------------------------ per-op math
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, *extra_inputs: Any, **kwargs: Any):

@@ -1,8 +1,9 @@
 """Split sizes: validation and conversion to host lists and device offsets.
 
 Split sizes arrive as a list of ints, a CPU integer tensor or a device integer tensor.
-Values on the host are checked eagerly; values on an accelerator are checked with
-``torch._assert_async`` so that no host sync happens.
+Values on the host are checked eagerly; values on an accelerator, and every tensor's
+values while ``torch.compile``/``torch.export`` trace, are checked with
+``torch._assert_async`` so that no host read enters the graph.
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ import torch
 
 @dataclass(frozen=True)
 class SplitInfo:
-    """``host``: the sizes as a list (None when only on device); ``offsets``: int32 ``[G]`` cumsum."""
+    """Split sizes of one call.
+
+    ``host``: the sizes as a list (None when only on device or while tracing);
+    ``offsets``: int32 ``[G]`` inclusive cumsum on the data's device; ``host_sizes``:
+    the sizes as a CPU tensor when the data is elsewhere and the sizes were on the
+    host (kernels behind custom ops read them there, not from the device).
+    """
 
     host: list[int] | None
     offsets: torch.Tensor
+    host_sizes: torch.Tensor | None = None
 
 
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:
@@ -37,8 +45,8 @@ def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows:
                 f"{op_name}: split_sizes must be 1-D of length {num_groups} (one per group), "
                 f"got shape {tuple(split_sizes.shape)}"
             )
-        if split_sizes.device.type != "cpu":
-            return  # values are checked on device, asynchronously, in to_split_info
+        if split_sizes.device.type != "cpu" or torch.compiler.is_compiling():
+            return  # values are checked on device (asynchronously) or in the graph, in to_split_info
         values = split_sizes.tolist()
     elif isinstance(split_sizes, (list, tuple)):
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in split_sizes):
@@ -60,15 +68,20 @@ def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows:
 
 def to_split_info(split_sizes: Any, num_rows: int, device: torch.device) -> SplitInfo:
     """Host list (when free to get) and device int32 offsets, without a host sync."""
+    tracing = torch.compiler.is_compiling()
     if isinstance(split_sizes, torch.Tensor):
-        if split_sizes.device.type == "cpu":
+        if split_sizes.device.type == "cpu" and not tracing:
             host = [int(v) for v in split_sizes.tolist()]
             offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(device, non_blocking=True)
-            return SplitInfo(host, offsets)
-        sizes = split_sizes.to(device)
-        ok = (sizes >= 0).all() & (sizes.sum() == num_rows)
+            return SplitInfo(host, offsets, split_sizes if device.type != "cpu" else None)
+        ok = (split_sizes >= 0).all() & (split_sizes.sum() == num_rows)
         torch._assert_async(ok, "split_sizes must be non-negative and sum to the number of input rows")
-        return SplitInfo(None, torch.cumsum(sizes, 0, dtype=torch.int32))
+        offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(device)
+        on_host = split_sizes.device.type == "cpu" and device.type != "cpu"
+        return SplitInfo(None, offsets, split_sizes if on_host else None)
+    if tracing:
+        offsets = torch.tensor(list(split_sizes), dtype=torch.int64).cumsum(0).to(torch.int32)
+        return SplitInfo(None, offsets.to(device), None)
     host = [int(v) for v in split_sizes]
     cumulative, total = [], 0
     for v in host:

@@ -157,5 +157,5 @@ def test_parameter_modified_between_forward_and_backward_is_an_error():
     y = lin(torch.randn(3, 4, requires_grad=True), [1, 2])
     with torch.no_grad():
         lin.weight.mul_(2)
-    with pytest.raises(RuntimeError, match="modified in place"):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()

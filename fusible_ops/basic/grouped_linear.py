@@ -12,7 +12,8 @@ from ..dtypes import cast, compute_dtype
 from ..kernels import GroupedGemmBackend, select_backend
 from ..op import BasicOperation, OperationContext, TensorMeta
 from ..settings import current_settings
-from ..splits import check_split_sizes, to_split_info
+from ..kernels import library as kernel_ops
+from ..splits import SplitInfo, check_split_sizes, to_split_info
 
 
 def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_features: int) -> None:
@@ -50,6 +51,7 @@ class GroupedLinear(BasicOperation):
     """
 
     num_extra_inputs = 1
+    param_names = ("weight", "bias")
     accepted_kwargs = frozenset({OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY})
 
     def __init__(
@@ -140,17 +142,21 @@ class GroupedLinear(BasicOperation):
         grad_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dtype = compute_dtype(input_.dtype, input_.device)
+        weight_param = ctx.params["weight"]
         x = cast(input_.reshape(-1, self.in_features), dtype)
-        weight, bias = cast(self.weight, dtype), cast(self.bias, dtype)
+        weight, bias = cast(weight_param, dtype), cast(ctx.params["bias"], dtype)
         splits = to_split_info(split_sizes, x.shape[0], x.device)
         backend = self.backend_for(x.device, x.dtype)
         out_shape = (*input_.shape[:-1], self.out_features)
         out2d = buffer_rows(output, x.shape[0], self.out_features)  # checked in preflight
-        y = backend.fprop(x, weight, splits.host, splits.offsets, bias=bias, out=out2d)
+        y = kernel_ops.fprop(backend, x, weight, splits, bias=bias, out=out2d)
         if ctx.requires_grad:
-            # Parameters are read from the module in backward, not saved: only
-            # activations count as saved-for-backward memory.
-            ctx.save_for_backward(x=x if self.weight.requires_grad else None, offsets=splits.offsets)
+            # The weight itself is saved by the fuser (with every parameter of the call).
+            ctx.save_for_backward(
+                x=x if ctx.needs_param_grad("weight") else None,
+                offsets=splits.offsets,
+                host_sizes=splits.host_sizes,
+            )
             ctx.backend = backend
             ctx.host_splits = splits.host
             ctx.input_shape = input_.shape
@@ -163,23 +169,20 @@ class GroupedLinear(BasicOperation):
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         saved = ctx.saved
         backend: GroupedGemmBackend = ctx.backend
+        weight_param, bias_param = ctx.params["weight"], ctx.params["bias"]
+        splits = SplitInfo(ctx.host_splits, saved["offsets"], saved["host_sizes"])
         dy = cast(grad_output.reshape(-1, self.out_features), ctx.compute_dtype)
         if not dy.is_contiguous():
             dy = dy.contiguous()
         grad_input = None
         if ctx.input_requires_grad:
             out = buffer_rows(ctx.grad_input_buffer, dy.shape[0], self.in_features)
-            weight = cast(self.weight, ctx.compute_dtype)
-            grad_input = backend.dgrad(dy, weight, ctx.host_splits, saved["offsets"], out=out)
-            grad_input = grad_input.view(ctx.input_shape)
+            weight = cast(weight_param, ctx.compute_dtype)
+            grad_input = kernel_ops.dgrad(backend, dy, weight, splits, out=out).view(ctx.input_shape)
         grad_weight = grad_bias = None
-        if self.weight.requires_grad:
-            grad_weight = cast(
-                backend.wgrad(dy, saved["x"], ctx.host_splits, saved["offsets"]), self.weight.dtype
-            )
-        if self.bias is not None and self.bias.requires_grad:
-            grad_bias = cast(
-                backend.bias_grad(dy, ctx.host_splits, saved["offsets"], self.num_groups), self.bias.dtype
-            )
-        params = [grad_weight] if self.bias is None else [grad_weight, grad_bias]
+        if ctx.needs_param_grad("weight"):
+            grad_weight = cast(kernel_ops.wgrad(backend, dy, saved["x"], splits), weight_param.dtype)
+        if ctx.needs_param_grad("bias"):
+            grad_bias = cast(kernel_ops.bias_grad(backend, dy, splits, self.num_groups), bias_param.dtype)
+        params = [grad_weight] if bias_param is None else [grad_weight, grad_bias]
         return grad_input, params, (None,)

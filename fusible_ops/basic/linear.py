@@ -23,6 +23,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 class BasicLinear(BasicOperation):
     """``y = x @ weight.T``; weight ``[out_features, in_features]``; input ``[..., in]``."""
 
+    param_names = ("weight",)
+    accepts_dtensor = True
+
     def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None) -> None:
         super().__init__()
         self.in_features = in_features
@@ -47,17 +50,17 @@ class BasicLinear(BasicOperation):
         return linear_forward(ctx, self, input_, None)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        x = ctx.saved["input"]
-        if _is_dtensor(self.weight):
-            return _autograd_linear_backward(ctx, x, self.weight, grad_output)
+        x, weight = ctx.saved["input"], ctx.params["weight"]
+        if _is_dtensor(weight):
+            return _autograd_linear_backward(ctx, x, weight, grad_output)
         dtype = ctx.compute_dtype
         dy = cast(grad_output, dtype)
         grad_input = grad_weight = None
         if ctx.input_requires_grad:
-            grad_input = dy @ cast(self.weight, dtype)
-        if self.weight.requires_grad:
+            grad_input = dy @ cast(weight, dtype)
+        if ctx.needs_param_grad("weight"):
             dy2d = dy.reshape(-1, self.out_features)
-            grad_weight = cast(dy2d.t() @ x.reshape(-1, self.in_features), self.weight.dtype)
+            grad_weight = cast(dy2d.t() @ x.reshape(-1, self.in_features), weight.dtype)
         return grad_input, [grad_weight]
 
 
@@ -69,15 +72,15 @@ def linear_forward(
     Under autocast the input and weight are cast to autocast's dtype; DTensor weights
     are left to DTensor. Everything goes through ``tp_linear_forward``.
     """
-    weight = linear.weight
+    weight = ctx.params["weight"]
     if _is_dtensor(weight):
         dtype = input_.dtype
     else:
         dtype = compute_dtype(input_.dtype, input_.device)
         input_, weight, bias = cast(input_, dtype), cast(weight, dtype), cast(bias, dtype)
     if ctx.requires_grad:
-        # the weight is read from the module in backward: only activations are saved
-        keep_input = linear.weight.requires_grad or _is_dtensor(linear.weight)
+        # the fuser saves the weight with every parameter of the call
+        keep_input = ctx.needs_param_grad("weight") or _is_dtensor(weight)
         ctx.save_for_backward(input=input_ if keep_input else None)
         ctx.compute_dtype = dtype
     return tp_linear_forward(input_, weight, bias, mm_for_2d_compile=False)
@@ -99,6 +102,9 @@ def _autograd_linear_backward(ctx, x, weight, grad_output):
 class Bias(BasicOperation):
     """``y = x + bias``; bias ``[features]`` added over the last dim."""
 
+    param_names = ("bias",)
+    accepts_dtensor = True
+
     def __init__(self, features: int, *, device=None, dtype=None) -> None:
         super().__init__()
         self.features = features
@@ -119,13 +125,13 @@ class Bias(BasicOperation):
         return input_meta
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
+        bias = ctx.params["bias"]
         if torch.is_autocast_enabled(input_.device.type):
             bias = cast(bias, input_.dtype)  # keep autocast's dtype, as torch.nn.Linear does
         return input_ + bias
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         grad_bias = None
-        if self.bias.requires_grad:
-            grad_bias = cast(grad_output.reshape(-1, self.features).sum(0), self.bias.dtype)
+        if ctx.needs_param_grad("bias"):
+            grad_bias = cast(grad_output.reshape(-1, self.features).sum(0), ctx.params["bias"].dtype)
         return grad_output, [grad_bias]

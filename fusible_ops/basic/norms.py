@@ -35,13 +35,13 @@ class _Norm(BasicOperation):
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
         if ctx.requires_grad:
             ctx.save_for_backward(input=input_)
-        return self._norm(input_, list(self.parameters()))
+        return self._norm(input_, [t for t in ctx.params.values() if t is not None])
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        params = list(self.parameters())
+        params = {n: t for n, t in ctx.params.items() if t is not None}
         with torch.enable_grad():
             x = ctx.saved["input"].detach().requires_grad_(ctx.input_requires_grad)
-            leaves = [p.detach().requires_grad_(p.requires_grad) for p in params]
+            leaves = [t.detach().requires_grad_(ctx.needs_param_grad(n)) for n, t in params.items()]
             y = self._norm(x, leaves)
             wanted = [t for t in (x, *leaves) if t.requires_grad]
             grads = iter(torch.autograd.grad(y, wanted, grad_output)) if wanted else iter(())
@@ -52,6 +52,8 @@ class _Norm(BasicOperation):
 
 class RMSNorm(_Norm):
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last dim (``normalized_shape``)."""
+
+    param_names = ("weight",)
 
     def __init__(self, normalized_shape: int, eps: float = 1e-6, *, device=None, dtype=None) -> None:
         super().__init__(normalized_shape, eps, device=device, dtype=dtype)
@@ -66,6 +68,8 @@ class RMSNorm(_Norm):
 
 class LayerNorm(_Norm):
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim."""
+
+    param_names = ("weight", "bias")
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, *, device=None, dtype=None) -> None:
         super().__init__(normalized_shape, eps, device=device, dtype=dtype)

@@ -25,7 +25,7 @@ class ForwardLinearBiasActivation(FusedOperation):
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
         linear, bias = self.basic_ops[0], self.basic_ops[1]
         # tp_linear_forward with the bias: addmm in eager, bias kept out of the mm under async TP
-        y = linear_forward(basic_op_ctxs[0], linear, input_, bias.bias)
+        y = linear_forward(basic_op_ctxs[0], linear, input_, basic_op_ctxs[1].params["bias"])
         if len(self.basic_ops) == 3:
             act_ctx = basic_op_ctxs[2]
             if act_ctx.requires_grad:
@@ -41,8 +41,8 @@ class BackwardBiasActivation(FusedOperation):
         bias, activation = self.basic_ops
         grad_pre = activation_backward(activation.spec, basic_op_ctxs[1].saved["input"], grad_output)
         grad_bias = None
-        if bias.bias.requires_grad:
-            grad_bias = cast(grad_pre.reshape(-1, bias.features).sum(0), bias.bias.dtype)
+        if basic_op_ctxs[0].needs_param_grad("bias"):
+            grad_bias = cast(grad_pre.reshape(-1, bias.features).sum(0), basic_op_ctxs[0].params["bias"].dtype)
         return grad_pre, [[grad_bias], []], [(), ()]
 
 

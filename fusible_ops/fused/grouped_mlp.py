@@ -23,10 +23,10 @@ from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows
 from ..dtypes import cast, compute_dtype
 from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
-from ..kernels.activation import ActivationSpec, row_dot
-from ..kernels.base import group_ids_from_offsets
+from ..kernels import library as kernel_ops
+from ..kernels.activation import ActivationSpec
 from ..op import BasicOperation, FusedOperation, OperationContext
-from ..splits import to_split_info
+from ..splits import SplitInfo, to_split_info
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "srelu")
 
@@ -58,38 +58,29 @@ class GroupedMLP(FusedOperation):
 
     # ------------------------------------------------------------ forward
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
-        fc1, fc2, kernels = self.fc1, self.fc2, self.kernels
+        fc1, fc2 = self.fc1, self.fc2
         ctx1: OperationContext = basic_op_ctxs[0]
+        p1, p2 = basic_op_ctxs[0].params, basic_op_ctxs[2].params
         dtype = compute_dtype(input_.dtype, input_.device)
         x = cast(input_.reshape(-1, fc1.in_features), dtype)
-        w1, b1, w2, b2 = (cast(t, dtype) for t in (fc1.weight, fc1.bias, fc2.weight, fc2.bias))
+        w1, b1, w2, b2 = (cast(t, dtype) for t in (p1["weight"], p1["bias"], p2["weight"], p2["bias"]))
         splits = to_split_info(basic_op_extra_inputs[0][0], x.shape[0], x.device)
         scales_in = basic_op_extra_inputs[self._scales_position()][0]
         scales = scales_in.reshape(-1)
         out_shape = (*input_.shape[:-1], fc2.out_features)
         # buffers were checked in preflight: only the first rows are taken here
         out2d = buffer_rows(basic_op_kwargs[2].get(OUTPUT_BUFFER_KEY), x.shape[0], fc2.out_features)
-
-        pre, act = kernels.fc1_fprop_act(
-            x,
-            w1,
-            b1,
-            splits.host,
-            splits.offsets,
-            self.spec,
-            None if self.scale_after_fc2 else scales,
-        )
-        y = kernels.fprop(act, w2, splits.host, splits.offsets, bias=b2, out=out2d)
-        if self.scale_after_fc2:
-            y.mul_(scales.to(y.dtype).unsqueeze(-1))
-        del act  # recomputed in backward
-
+        pre, y = kernel_ops.mlp_forward(
+            self.kernels, x, w1, b1, w2, b2, scales, splits, self.spec,
+            scale_after_fc2=self.scale_after_fc2, out=out2d,
+        )  # fmt: skip
         if any(c.requires_grad for c in basic_op_ctxs):
             ctx1.save_for_backward(
-                x=x if fc1.weight.requires_grad else None,
+                x=x if ctx1.needs_param_grad("weight") else None,
                 pre=pre,
                 scales=scales,
                 offsets=splits.offsets,
+                host_sizes=splits.host_sizes,
             )
             ctx1.host_splits = splits.host
             ctx1.input_shape = input_.shape
@@ -103,47 +94,35 @@ class GroupedMLP(FusedOperation):
 
     # ------------------------------------------------------------ backward
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
-        fc1, fc2, kernels = self.fc1, self.fc2, self.kernels
+        fc1, fc2 = self.fc1, self.fc2
         ctx1: OperationContext = basic_op_ctxs[0]
+        ctx2: OperationContext = basic_op_ctxs[2]
         saved = ctx1.saved
-        pre, scales, offsets, host = saved["pre"], saved["scales"], saved["offsets"], ctx1.host_splits
+        splits = SplitInfo(ctx1.host_splits, saved["offsets"], saved["host_sizes"])
         dtype = ctx1.compute_dtype
-        w1, w2 = cast(fc1.weight, dtype), cast(fc2.weight, dtype)
+        p1, p2 = ctx1.params, ctx2.params
+        w1, w2, b2 = cast(p1["weight"], dtype), cast(p2["weight"], dtype), cast(p2["bias"], dtype)
         dy = cast(grad_output.reshape(-1, fc2.out_features), dtype)
         if not dy.is_contiguous():
             dy = dy.contiguous()
-
-        # Both patterns share one backward: with y = s * (act @ W2^T + b2) the gradients
-        # w.r.t. act and W2 equal those of y = (s * act) @ W2^T + b2; only the scales'
-        # gradient gains the bias term and fc2's bias gradient is scaled.
-        grad_pre, grad_scales, act_scaled = kernels.fc2_dgrad_act(
-            dy, w2, pre, host, offsets, self.spec, scales
+        needs = (
+            ctx1.input_requires_grad,
+            ctx1.needs_param_grad("weight"),
+            ctx1.needs_param_grad("bias"),
+            ctx2.needs_param_grad("weight"),
+            ctx2.needs_param_grad("bias"),
+            ctx1.scales_requires_grad,
         )
-        if not ctx1.scales_requires_grad:
-            grad_scales = None
-        elif self.scale_after_fc2 and fc2.bias is not None:
-            group_bias = cast(fc2.bias, dtype).index_select(0, group_ids_from_offsets(offsets, dy.shape[0]))
-            grad_scales = grad_scales + row_dot(dy, group_bias, grad_scales.dtype)
-
-        grad_w2 = kernels.wgrad(dy, act_scaled, host, offsets) if fc2.weight.requires_grad else None
-        del act_scaled
-        grad_b2 = None
-        if fc2.bias is not None and fc2.bias.requires_grad:
-            dy_b2 = dy * scales.to(dy.dtype).unsqueeze(-1) if self.scale_after_fc2 else dy
-            grad_b2 = kernels.bias_grad(dy_b2, host, offsets, fc2.num_groups)
-
-        grad_input = None
-        if ctx1.input_requires_grad:
-            out = buffer_rows(ctx1.grad_input_buffer, grad_pre.shape[0], fc1.in_features)
-            grad_input = kernels.dgrad(grad_pre, w1, host, offsets, out=out).view(ctx1.input_shape)
-        grad_w1 = kernels.wgrad(grad_pre, saved["x"], host, offsets) if fc1.weight.requires_grad else None
-        grad_b1 = None
-        if fc1.bias is not None and fc1.bias.requires_grad:
-            grad_b1 = kernels.bias_grad(grad_pre, host, offsets, fc1.num_groups)
-
+        out = buffer_rows(ctx1.grad_input_buffer, dy.shape[0], fc1.in_features) if needs[0] else None
+        grad_input, grad_w1, grad_b1, grad_w2, grad_b2, grad_scales = kernel_ops.mlp_backward(
+            self.kernels, dy, saved["x"], saved["pre"], w1, w2, b2, saved["scales"], splits, self.spec,
+            scale_after_fc2=self.scale_after_fc2, needs=needs, grad_input_out=out,
+        )  # fmt: skip
+        if grad_input is not None:
+            grad_input = grad_input.view(ctx1.input_shape)
         if grad_scales is not None:
             grad_scales = grad_scales.view(ctx1.scales_shape)
-        grad_params = [_param_grads(fc1, grad_w1, grad_b1), [], _param_grads(fc2, grad_w2, grad_b2)]
+        grad_params = [_param_grads(p1, grad_w1, grad_b1), [], _param_grads(p2, grad_w2, grad_b2)]
         grad_extra: list[tuple[Any, ...]] = [(None,), (), (None,)]
         if self.scale_after_fc2:
             grad_params.append([])
@@ -153,10 +132,11 @@ class GroupedMLP(FusedOperation):
         return grad_input, grad_params, grad_extra
 
 
-def _param_grads(op: GroupedLinear, grad_weight, grad_bias) -> list:
+def _param_grads(params: dict, grad_weight, grad_bias) -> list:
     """Gradients in the parameters' own dtypes (they differ under autocast)."""
-    grad_weight = cast(grad_weight, op.weight.dtype)
-    return [grad_weight] if op.bias is None else [grad_weight, cast(grad_bias, op.bias.dtype)]
+    grad_weight = cast(grad_weight, params["weight"].dtype)
+    bias = params["bias"]
+    return [grad_weight] if bias is None else [grad_weight, cast(grad_bias, bias.dtype)]
 
 
 # ---------------------------------------------------------------- rules
