@@ -98,6 +98,30 @@ class _CallState:
     #: per op, whether each parameter needs a gradient in this call
     param_requires_grad: list[dict[str, bool]]
     ctx_flags: list[tuple[bool, bool, bool]]
+    #: for each extra input and parameter (flattened, in that order), its position among
+    #: the Function's distinct arguments: a tensor given twice (the same split sizes to
+    #: fc1 and fc2, tied weights) is passed once, as Dynamo requires
+    slots: list[int]
+    num_args: int
+
+
+def _dedupe(values: list[Any]) -> tuple[list[Any], list[int]]:
+    """Distinct arguments (tensors compared by identity) and each value's slot among them."""
+    unique: list[Any] = []
+    slots = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            for j, known in enumerate(unique):
+                if known is value:
+                    slots.append(j)
+                    break
+            else:
+                slots.append(len(unique))
+                unique.append(value)
+        else:
+            slots.append(len(unique))
+            unique.append(value)
+    return unique, slots
 
 
 def _owned(output: torch.Tensor, input_: torch.Tensor) -> torch.Tensor:
@@ -138,7 +162,8 @@ def _split_params(state: _CallState, flat: Sequence[torch.Tensor]) -> list[dict[
 
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
-    def forward(func_ctx, input_: torch.Tensor, state: _CallState, *flat_args: Any):
+    def forward(func_ctx, input_: torch.Tensor, state: _CallState, *unique_args: Any):
+        flat_args = [unique_args[slot] for slot in state.slots]
         num_extra = sum(state.extra_counts)
         extra_flat, flat_params = flat_args[:num_extra], flat_args[num_extra:]
         extra_inputs, start = [], 0
@@ -232,9 +257,14 @@ class _FuserFunction(torch.autograd.Function):
             for i, g_params, g_extra in zip(idx, op_grad_params, op_grad_extra):
                 grad_params[i] = list(g_params) if g_params else [None] * param_counts[i]
                 grad_extra_inputs[i] = tuple(g_extra) if g_extra else (None,) * state.extra_counts[i]
-        flat_extra = [g for grads in grad_extra_inputs for g in grads]
-        flat_params = [g for grads in grad_params for g in grads]
-        return (grad, None, *flat_extra, *flat_params)
+        flat_grads = [g for grads in grad_extra_inputs for g in grads]
+        flat_grads.extend(g for grads in grad_params for g in grads)
+        unique_grads: list[torch.Tensor | None] = [None] * state.num_args
+        for slot, g in zip(state.slots, flat_grads):
+            if g is not None:
+                known = unique_grads[slot]
+                unique_grads[slot] = g if known is None else known + g
+        return (grad, None, *unique_grads)
 
 
 class OperationFuser:
@@ -436,6 +466,7 @@ class OperationFuser:
         if not any(flag[0] for flag in grad_flags):
             # nothing needs a gradient: no autograd Function, the plan runs directly
             return self._run_inference(plan, input_, per_op_extra, kwargs, param_dicts)
+        unique_args, slots = _dedupe(flat_extra + flat_params)
         state = _CallState(
             fuser=self,
             plan=plan,
@@ -447,8 +478,10 @@ class OperationFuser:
                 {n: t is not None and t.requires_grad for n, t in d.items()} for d in param_dicts
             ],
             ctx_flags=grad_flags,
+            slots=slots,
+            num_args=len(unique_args),
         )
-        return _FuserFunction.apply(input_, state, *flat_extra, *flat_params)
+        return _FuserFunction.apply(input_, state, *unique_args)
 
     def _run_inference(
         self,

@@ -235,8 +235,8 @@ def _grouped_mlp_backward_op(
     glu_interleave_size: int,
     scale_after_fc2: bool,
     needs: list[bool],
-) -> list[Tensor]:
-    """Returns ``[grad_w1, grad_b1, grad_w2, grad_b2, grad_scales]``; empty tensors where not needed."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(grad_w1, grad_b1, grad_w2, grad_b2, grad_scales)``; empty tensors where not needed."""
     spec = _spec(kind, limit, alpha, glu_linear_offset, glu_interleave_size)
     grads = _mlp_backward_impl(
         _backend(backend),
@@ -255,17 +255,17 @@ def _grouped_mlp_backward_op(
         grad_input,
     )
     # outputs of a custom op must not alias inputs or each other: fresh copies of pooled storages
-    return [dy.new_empty(0) if g is None else g.clone() for g in grads[1:]]
+    return tuple(dy.new_empty(0) if g is None else g.clone() for g in grads[1:])
 
 
 @_grouped_mlp_backward_op.register_fake
 def _(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, grad_input, backend, *rest):
     needs = rest[-1]
     shapes = [w1.shape, (w1.shape[0], w1.shape[1]), w2.shape, (w2.shape[0], w2.shape[1]), scales.shape]
-    return [
+    return tuple(
         (dy.new_empty(tuple(shape)) if i < 4 else scales.new_empty(tuple(shape))) if need else dy.new_empty(0)
         for i, (shape, need) in enumerate(zip(shapes, needs[1:]))
-    ]
+    )
 
 
 # ---------------------------------------------------------------- what ops call
