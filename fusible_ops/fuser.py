@@ -275,8 +275,10 @@ class OperationFuser:
     known equal, training mode and the rule registry.
     """
 
-    def __init__(self, ops: Sequence[BasicOperation]) -> None:
+    def __init__(self, ops: Sequence[BasicOperation], *, honour_hooks: bool = True) -> None:
         self.ops = list(ops)
+        #: False for an op's own ``forward`` (its hooks already ran in ``nn.Module.__call__``)
+        self.honour_hooks = honour_hooks
         self._plans: OrderedDict[tuple, FusionPlan] = OrderedDict()
         self._segments: dict[tuple[bool, ...], list] = {}
         self.last_plan: FusionPlan | None = None
@@ -451,7 +453,7 @@ class OperationFuser:
             kwargs = [{} for _ in self.ops]
         else:
             kwargs = [dict(k) if k else {} for k in basic_op_kwargs]
-        hooked = [op.hook_reason() for op in self.ops]
+        hooked = [op.hook_reason() for op in self.ops] if self.honour_hooks else []
         if any(hooked):
             return self._call_segmented(input_, per_op_extra, kwargs, hooked)
         param_dicts = self._param_dicts()

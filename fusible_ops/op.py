@@ -197,7 +197,8 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
         """
         from .fuser import OperationFuser
 
-        return OperationFuser([self])(input_, *extra_inputs, basic_op_kwargs=[kwargs])
+        fuser = OperationFuser([self], honour_hooks=False)  # hooks ran in nn.Module.__call__
+        return fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs])
 
 
 class FusedOperation(FusibleOperation):
