@@ -8,6 +8,7 @@ values while ``torch.compile``/``torch.export`` trace, are checked with
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,39 @@ class SplitInfo:
     host_sizes: torch.Tensor | None = None
 
 
+class _LastSplits:
+    """The most recent CPU split-size tensor seen, its version and what was derived from it.
+
+    One call hands the same tensor to fc1 and fc2 (and preflight checks it before either
+    runs): its values are read once, not four times. The version counter makes an
+    in-place change of the tensor a miss. Never used while tracing.
+    """
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.version = -1
+        self.values: list[int] = []
+        self.checked: set[tuple[int, int]] = set()
+        self.infos: dict[torch.device, SplitInfo] = {}
+
+    def values_of(self, tensor: torch.Tensor) -> list[int]:
+        if tensor is not self.tensor or tensor._version != self.version:
+            self.tensor, self.version = tensor, tensor._version
+            self.values = [int(v) for v in tensor.tolist()]
+            self.checked, self.infos = set(), {}
+        return self.values
+
+
+_last = threading.local()
+
+
+def _last_splits() -> _LastSplits:
+    last = getattr(_last, "value", None)
+    if last is None:
+        last = _last.value = _LastSplits()
+    return last
+
+
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:
     """Raise ``ValueError`` when ``split_sizes`` is unusable (host values checked eagerly)."""
     if isinstance(split_sizes, torch.Tensor):
@@ -47,7 +81,13 @@ def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows:
             )
         if split_sizes.device.type != "cpu" or torch.compiler.is_compiling():
             return  # values are checked on device (asynchronously) or in the graph, in to_split_info
-        values = split_sizes.tolist()
+        last = _last_splits()
+        values = last.values_of(split_sizes)
+        if (num_groups, num_rows) in last.checked:
+            return
+        _check_values(op_name, values, num_rows)
+        last.checked.add((num_groups, num_rows))
+        return
     elif isinstance(split_sizes, (list, tuple)):
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in split_sizes):
             raise ValueError(f"{op_name}: split_sizes must hold ints, got {list(split_sizes)!r}")
@@ -56,10 +96,14 @@ def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows:
                 f"{op_name}: split_sizes has length {len(split_sizes)}; expected {num_groups} (one per group)"
             )
         values = list(split_sizes)
+        _check_values(op_name, values, num_rows)
     else:
         raise ValueError(
             f"{op_name}: split_sizes must be a 1-D integer tensor or a list of ints, got {type(split_sizes).__name__}"
         )
+
+
+def _check_values(op_name: str, values: list[int], num_rows: int) -> None:
     if any(v < 0 for v in values):
         raise ValueError(f"{op_name}: split_sizes must be non-negative, got {values}")
     if sum(values) != num_rows:
@@ -71,9 +115,14 @@ def to_split_info(split_sizes: Any, num_rows: int, device: torch.device) -> Spli
     tracing = torch.compiler.is_compiling()
     if isinstance(split_sizes, torch.Tensor):
         if split_sizes.device.type == "cpu" and not tracing:
-            host = [int(v) for v in split_sizes.tolist()]
-            offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(device, non_blocking=True)
-            return SplitInfo(host, offsets, split_sizes if device.type != "cpu" else None)
+            last = _last_splits()
+            host = last.values_of(split_sizes)
+            info = last.infos.get(device)
+            if info is None:
+                offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(device, non_blocking=True)
+                info = SplitInfo(host, offsets, split_sizes if device.type != "cpu" else None)
+                last.infos[device] = info
+            return info
         ok = (split_sizes >= 0).all() & (split_sizes.sum() == num_rows)
         torch._assert_async(ok, "split_sizes must be non-negative and sum to the number of input rows")
         offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(device)
