@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ffn", type=int)
     bench.add_argument("--rows", type=int)
     bench.add_argument("--repeats", type=int, help="timed rounds (default 10, or 50 with --small)")
+    bench.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time fused and grouped_mm under torch.compile (default: on with --small)",
+    )
     bench.add_argument("--json", help="write the results as JSON to this file")
     bench.add_argument("--plot", help="write a bar chart PNG to this file (needs matplotlib)")
     bench.add_argument("--moe-ep", action="store_true", help="add the MoE layer single-process vs EP=2 row")

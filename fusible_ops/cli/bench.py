@@ -9,7 +9,10 @@ hits all of them alike; medians are reported:
   ``silu(gate) * up * probs``, ``torch._grouped_mm``) differentiated by autograd;
 - ``loop``: a per-expert eager loop of ``F.linear``;
 - ``dense``: the bound, the same GEMMs as plain ``torch.mm`` on contiguous operands
-  (2 in forward, 6 in forward+backward), nothing else.
+  (2 in forward, 6 in forward+backward), nothing else;
+- ``fused_compiled`` / ``grouped_mm_compiled`` (``--compile``, on by default with
+  ``--small``): ``fused`` and ``grouped_mm`` under ``torch.compile(fullgraph=True)``
+  with the inductor backend, compiled before timing.
 """
 
 from __future__ import annotations
@@ -128,6 +131,11 @@ def loop_forward(p: Problem, x: torch.Tensor, probs: torch.Tensor) -> torch.Tens
 Forward = Callable[[Problem, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def compiled(forward: Forward) -> Forward:
+    """``forward`` under ``torch.compile(fullgraph=True)`` (inductor), compiled on first call."""
+    return torch.compile(forward, fullgraph=True, dynamic=False)
+
+
 def timed_call(forward: Forward) -> Callable[[Problem, bool], None]:
     """``run(problem, backward)``: one forward (and backward) on fresh input leaves."""
 
@@ -229,11 +237,15 @@ def run_bench(
     repeats: int = 10,
     warmup: int = 2,
     include: tuple[str, ...] = ("fused", "unfused", "grouped_mm", "loop", "dense"),
+    compile_variants: bool = False,
 ) -> dict:
     """Run the benchmark; returns a JSON-ready dict of the results."""
     dev = torch.device(device)
     p = make_problem(shape, dtype, dev)
     variants = {name: timed_call(fn) for name, fn in FORWARDS.items() if name in include}
+    if compile_variants:
+        for name in ("fused", "grouped_mm"):
+            variants[f"{name}_compiled"] = timed_call(compiled(FORWARDS[name]))
     if "dense" in include:
         variants["dense"] = DenseBound(p)
     plan = p.experts.explain(p.x.detach().requires_grad_(), p.splits_tensor, p.probs, p.splits_tensor)
@@ -280,23 +292,26 @@ def format_table(results: dict) -> str:
         names = list(rows)
         lines.append("")
         lines.append(f"[{mode}]")
-        header = f"{'variant':<11}{'median ms':>11}{'TFLOP/s':>9}{'x dense':>9}"
-        peers = [n for n in names if n not in ("fused", "dense")]
-        header += "".join(f"{'fused/' + n:>17}" for n in peers if "fused" in rows)
+        header = f"{'variant':<20}{'median ms':>11}{'TFLOP/s':>9}{'x dense':>9}"
+        peers = [n for n in names if n not in ("fused", "dense", "fused_compiled")]
+        header += "".join(f"{'fused/' + n:>27}" for n in peers if "fused" in rows)
         lines.append(header)
         dense = rows.get("dense", {}).get("median_ms")
         for name in names:
             r = rows[name]
-            line = f"{name:<11}{r['median_ms']:>11.3f}{r['tflops']:>9.3f}"
+            line = f"{name:<20}{r['median_ms']:>11.3f}{r['tflops']:>9.3f}"
             line += f"{r['median_ms'] / dense:>9.2f}" if dense else f"{'-':>9}"
             if name == "fused":
-                line += "".join(f"{r['median_ms'] / rows[n]['median_ms']:>17.2f}" for n in peers)
+                line += "".join(f"{r['median_ms'] / rows[n]['median_ms']:>27.2f}" for n in peers)
             lines.append(line)
         if "fused" in rows:
             speedups = ", ".join(
                 f"{rows[n]['median_ms'] / rows['fused']['median_ms']:.2f}x vs {n}" for n in peers
             )
             lines.append(f"fused speed-up: {speedups}")
+        if "fused_compiled" in rows and "grouped_mm_compiled" in rows:
+            ratio = rows["fused_compiled"]["median_ms"] / rows["grouped_mm_compiled"]["median_ms"]
+            lines.append(f"compiled: fused_compiled / grouped_mm_compiled = {ratio:.2f}")
     if results["saved_bytes"]:
         lines.append("")
         lines.append("bytes saved for backward (activations, via saved-tensor hooks; parameters excluded):")
@@ -352,7 +367,15 @@ def main(args) -> int:
     dtype = getattr(torch, args.dtype)
     repeats = args.repeats if args.repeats is not None else (50 if args.small else 10)
     with fo.settings(backend=args.backend):
-        results = run_bench(shape, dtype, args.device, repeats=repeats, warmup=3 if args.small else 2)
+        compile_variants = args.small if args.compile is None else args.compile
+        results = run_bench(
+            shape,
+            dtype,
+            args.device,
+            repeats=repeats,
+            warmup=3 if args.small else 2,
+            compile_variants=compile_variants,
+        )
     results["backend_setting"] = args.backend
     if args.moe_ep:
         from .moe_ep_bench import run_moe_ep_bench
