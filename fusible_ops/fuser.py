@@ -21,6 +21,7 @@ _MAX_CACHED_PLANS = 32
 def _is_dtensor(tensor: Any) -> bool:
     return type(tensor).__name__ == "DTensor"
 
+
 _CHEAP_COMPARE_NUMEL = 4096
 
 
@@ -542,7 +543,9 @@ class OperationFuser:
                 result = self.ops[i](x, *extra_inputs[i], **kwargs[i])
             else:
                 result = fuser(
-                    x, *[t for i in indices for t in extra_inputs[i]], basic_op_kwargs=[kwargs[i] for i in indices]
+                    x,
+                    *[t for i in indices for t in extra_inputs[i]],
+                    basic_op_kwargs=[kwargs[i] for i in indices],
                 )
             if isinstance(result, tuple):
                 x, *outs = result

@@ -22,7 +22,9 @@ def test_bench_small_json_and_table(tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert main(["bench", "--small", "--repeats", "2", "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "GroupedMLP" in out and "x dense" in out and "compiled: fused_compiled / grouped_mm_compiled" in out
+    assert (
+        "GroupedMLP" in out and "x dense" in out and "compiled: fused_compiled / grouped_mm_compiled" in out
+    )
     results = json.loads(path.read_text())
     assert set(results["modes"]) == {"forward", "forward+backward"}
     for rows in results["modes"].values():

@@ -42,7 +42,9 @@ class BackwardBiasActivation(FusedOperation):
         grad_pre = activation_backward(activation.spec, basic_op_ctxs[1].saved["input"], grad_output)
         grad_bias = None
         if basic_op_ctxs[0].needs_param_grad("bias"):
-            grad_bias = cast(grad_pre.reshape(-1, bias.features).sum(0), basic_op_ctxs[0].params["bias"].dtype)
+            grad_bias = cast(
+                grad_pre.reshape(-1, bias.features).sum(0), basic_op_ctxs[0].params["bias"].dtype
+            )
         return grad_pre, [[grad_bias], []], [(), ()]
 
 

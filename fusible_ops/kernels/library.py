@@ -50,12 +50,22 @@ def _host(offsets: Tensor, host_sizes: Tensor | None) -> list[int] | None:
 
 def _spec(kind: str, limit: float, alpha: float, glu_linear_offset: float, interleave: int) -> ActivationSpec:
     return ActivationSpec(
-        kind, limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset, glu_interleave_size=interleave or None
+        kind,
+        limit=limit,
+        alpha=alpha,
+        glu_linear_offset=glu_linear_offset,
+        glu_interleave_size=interleave or None,
     )
 
 
 def _spec_args(spec: ActivationSpec) -> tuple:
-    return (spec.kind, float(spec.limit), float(spec.alpha), float(spec.glu_linear_offset), spec.glu_interleave_size or 0)
+    return (
+        spec.kind,
+        float(spec.limit),
+        float(spec.alpha),
+        float(spec.glu_linear_offset),
+        spec.glu_interleave_size or 0,
+    )
 
 
 # ---------------------------------------------------------------- grouped GEMMs
@@ -290,14 +300,21 @@ def fprop(
 
 
 def dgrad(
-    kernels: GroupedGemmBackend, grad_out: Tensor, weight: Tensor, splits: Splits, *, out: Tensor | None = None
+    kernels: GroupedGemmBackend,
+    grad_out: Tensor,
+    weight: Tensor,
+    splits: Splits,
+    *,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``[M, N] -> [M, K]`` grouped input-gradient GEMM (writes ``out`` when given)."""
     if not use_library():
         return kernels.dgrad(grad_out, weight, splits.host, splits.offsets, out=out)
     if out is None:
         out = grad_out.new_empty(grad_out.shape[0], weight.shape[2])
-    torch.ops.fusible_ops.grouped_dgrad(grad_out, weight, splits.offsets, splits.host_sizes, out, kernels.name)
+    torch.ops.fusible_ops.grouped_dgrad(
+        grad_out, weight, splits.offsets, splits.host_sizes, out, kernels.name
+    )
     return out
 
 

@@ -27,7 +27,7 @@ import torch
 
 from .activation import ActivationSpec, activation_backward, activation_forward
 from .cpu_buffer_pool import CpuBufferPool
-from .grouped_checks import check_operands, check_weight
+from .grouped_checks import check_dgrad, check_fprop, check_operands, check_weight, check_wgrad
 from .torch_loop import TorchLoopBackend, _row_ranges
 
 
@@ -170,6 +170,90 @@ class TorchCpuBackend(TorchLoopBackend):
         if not dtype.is_floating_point:
             return f"{self.name}: dtype {dtype} is not a floating-point dtype"
         return None
+
+    # ------------------------------------------------------------ grouped GEMMs
+    def fprop(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        split_sizes: list[int] | None,
+        offsets: torch.Tensor,
+        *,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``: ``[M, K] -> [M, N]``."""
+        where = f"{self.name}.fprop"
+        groups, n_out, k_in = check_fprop(where, x, weight, split_sizes, offsets, bias, out)
+        sizes = self._sizes(where, split_sizes, offsets, x)
+        if out is None and self._whole_grouped_mm(x, sizes, groups, n_out, k_in):
+            # no caller buffer: _grouped_mm's own result is the output (no copy)
+            y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=self._offs(sizes))
+            if bias is not None:
+                y.add_(bias.index_select(0, self._group_tables(sizes, x.device, x.dtype)[2]))
+            return y
+        if out is None:
+            out = self._alloc_rows(x.shape[0], n_out, sizes, x)
+        self._fprop_groups(x, weight, bias, sizes, out)
+        return out
+
+    def dgrad(
+        self,
+        grad_out: torch.Tensor,
+        weight: torch.Tensor,
+        split_sizes: list[int] | None,
+        offsets: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out[rows_g] = grad_out[rows_g] @ weight[g]``: ``[M, N] -> [M, K]``."""
+        where = f"{self.name}.dgrad"
+        groups, n_out, k_in = check_dgrad(where, grad_out, weight, split_sizes, offsets, out)
+        sizes = self._sizes(where, split_sizes, offsets, grad_out)
+        if out is None and self._whole_grouped_mm(grad_out, sizes, groups, n_out, k_in):
+            return torch._grouped_mm(grad_out, weight, offs=self._offs(sizes))
+        if out is None:
+            out = self._alloc_rows(grad_out.shape[0], k_in, sizes, grad_out)
+        self._dgrad_groups(grad_out, weight, sizes, out)
+        return out
+
+    def wgrad(
+        self,
+        grad_out: torch.Tensor,
+        x: torch.Tensor,
+        split_sizes: list[int] | None,
+        offsets: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out[g] = grad_out[rows_g].T @ x[rows_g]``: ``[G, N, K]``, zeros for empty groups."""
+        where = f"{self.name}.wgrad"
+        shape = check_wgrad(where, grad_out, x, split_sizes, offsets, out)
+        sizes = self._sizes(where, split_sizes, offsets, x)
+        groups, n_out, k_in = shape
+        if (
+            out is None
+            and self._whole_grouped_mm(x, sizes, groups, n_out, k_in)
+            and self._grouped_mm_takes(grad_out, n_out, k_in)
+        ):
+            result = torch._grouped_mm(grad_out.t(), x, offs=self._offs(sizes))
+            if 0 in sizes:  # some builds leave empty groups unwritten
+                result.masked_fill_(self._tables_for(sizes)[1], 0)
+            return result
+        if out is None:
+            out = self._empty(shape, x)
+        self._wgrad_groups(grad_out, x, sizes, out)
+        return out
+
+    def _whole_grouped_mm(
+        self, rows: torch.Tensor, sizes: list[int], groups: int, n_out: int, k_in: int
+    ) -> bool:
+        """A small problem whose groups cover every row: one ``_grouped_mm`` gives the whole result."""
+        return (
+            sum(sizes) == rows.shape[0]
+            and self._is_small(groups, rows.shape[0], n_out, k_in)
+            and self._grouped_mm_takes(rows, n_out, k_in)
+        )
 
     # ------------------------------------------------------------ GEMM bodies (after validation)
     def _fprop_groups(
@@ -340,7 +424,8 @@ class TorchCpuBackend(TorchLoopBackend):
         if not hasattr(torch, "_grouped_mm") or t.dtype not in _GROUPED_MM_DTYPES:
             return False
         elems = 16 // t.element_size()
-        return n_out % elems == 0 and k_in % elems == 0 and t.stride(-1) == 1
+        row_stride_aligned = t.dim() == 2 and (t.stride(0) * t.element_size()) % 16 == 0
+        return n_out % elems == 0 and k_in % elems == 0 and t.stride(-1) == 1 and row_stride_aligned
 
     def _offs(self, sizes: list[int]) -> torch.Tensor:
         return self._tables_for(sizes)[0]
