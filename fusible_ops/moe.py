@@ -108,13 +108,7 @@ def permute(
         )
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"permute: num_experts must be a positive int, got {num_experts!r}")
-    if expert_ids.device.type == "cpu" and expert_ids.numel() > 0:
-        # Range check only where it costs no device sync.
-        lo, hi = int(expert_ids.min()), int(expert_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(
-                f"permute: expert_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]"
-            )
+    _check_expert_range(expert_ids, num_experts)
 
     device = tokens.device
     top_k = expert_ids.shape[1]
@@ -139,6 +133,22 @@ def permute(
     split_sizes = torch.zeros(num_experts, dtype=torch.long, device=device)
     split_sizes.scatter_add_(0, sort_key, torch.ones_like(sort_key))
     return Permutation(rows, sorted_probs, split_sizes, token_index)
+
+
+def _check_expert_range(expert_ids: torch.Tensor, num_experts: int) -> None:
+    """``ValueError`` for ids outside ``[0, num_experts)``; a device-side assert while tracing."""
+    if torch.compiler.is_compiling():
+        # No host read enters the graph: the check runs on device (asynchronously on GPUs).
+        ids = expert_ids.long()
+        in_range = ((ids >= 0) & (ids < num_experts)).all()
+        torch._assert_async(in_range, f"permute: expert_ids must lie in [0, {num_experts})")
+    elif expert_ids.device.type == "cpu" and expert_ids.numel() > 0:
+        # Range check only where it costs no device sync.
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(
+                f"permute: expert_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]"
+            )
 
 
 # ---------------------------------------------------------------- unpermute / combine
@@ -201,21 +211,31 @@ def unpermute(
         raise ValueError(
             f"unpermute: token_index must have shape ({rows.shape[0]},) (a row each), got {_shape(token_index)}"
         )
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+    if not _is_int(num_tokens) or num_tokens < 0:
         raise ValueError(f"unpermute: num_tokens must be a non-negative int, got {num_tokens!r}")
     if probs is not None and (not isinstance(probs, torch.Tensor) or probs.shape != (rows.shape[0],)):
         raise ValueError(f"unpermute: probs must have shape ({rows.shape[0]},), got {_shape(probs)}")
     if token_index.device != rows.device:
         raise ValueError(f"unpermute: token_index is on {token_index.device} but rows on {rows.device}")
-    target = validate_or_alloc_output(
-        out,
-        (num_tokens, rows.shape[1]),
-        rows.dtype,
-        rows.device,
-        op_name="unpermute",
-        no_overlap=[t for t in (rows, probs) if t is not None],
-    )
+    if out is None:
+        # Not via validate_or_alloc_output: it casts the shape to int, which would pin a
+        # traced (symbolic) token count to one value.
+        target = rows.new_empty((num_tokens, rows.shape[1]))
+    else:
+        target = validate_or_alloc_output(
+            out,
+            (num_tokens, rows.shape[1]),
+            rows.dtype,
+            rows.device,
+            op_name="unpermute",
+            no_overlap=[t for t in (rows, probs) if t is not None],
+        )
     return _Combine.apply(rows, probs, token_index.long(), num_tokens, [target])
+
+
+def _is_int(value: object) -> bool:
+    """A Python int (not a bool), or a symbolic one while tracing with dynamic shapes."""
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
 
 
 def _shape(obj: object) -> object:

@@ -126,6 +126,25 @@ def select_backend(
     them. Results are cached per arguments; a forced backend that cannot run raises
     :class:`BackendUnavailableError` with the reason.
     """
+    if torch.compiler.is_compiling():
+        name, skipped = _selected_names(device, dtype, purpose, forced, features)
+        return BackendChoice(get_backend(name), skipped)
+    return _select_cached(device, dtype, purpose, forced, features)
+
+
+# Selection imports backend modules and may run a trial kernel (the probes): under
+# torch.compile it runs eagerly at trace time and its result is a constant of the graph.
+@torch.compiler.assume_constant_result
+def _selected_names(
+    device: torch.device, dtype: torch.dtype, purpose: str, forced: str, features: tuple
+) -> tuple[str, tuple[tuple[str, str], ...]]:
+    choice = _select_cached(device, dtype, purpose, forced, features)
+    return choice.name, choice.skipped
+
+
+def _select_cached(
+    device: torch.device, dtype: torch.dtype, purpose: str, forced: str, features: tuple
+) -> BackendChoice:
     key = (device, dtype, purpose, forced, features)
     choice = _choices.get(key)
     if choice is None:
