@@ -15,6 +15,10 @@ OUTPUT_BUFFER_KEY = "output"
 GRAD_INPUT_BUFFER_KEY = "grad_input"
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if type(t).__name__ == "DTensor" else t
+
+
 def _memory_span(t: torch.Tensor) -> tuple[int, int] | None:
     if t.numel() == 0:
         return None
@@ -24,7 +28,11 @@ def _memory_span(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of ``a`` and ``b`` intersect (conservative for strided views)."""
+    """Whether the memory spans of ``a`` and ``b`` intersect (conservative for strided views).
+
+    A DTensor is compared by its local shard (the memory this process holds).
+    """
+    a, b = _local(a), _local(b)
     if a.device != b.device:
         return False
     span_a, span_b = _memory_span(a), _memory_span(b)

@@ -59,23 +59,30 @@ def _classify_extra_inputs(
         op_classes, op_kinds = [], []
         for value in op_inputs:
             identity, kind = _extra_input_identity(value, by_value)
-            for index, known in enumerate(seen):
-                if _same_identity(known, identity):
-                    break
-            else:
-                index = len(seen)
-                seen.append(identity)
-            op_classes.append(index)
+            op_classes.append(_class_of(seen, identity))
             op_kinds.append(kind)
         classes.append(tuple(op_classes))
         kinds.append(tuple(op_kinds))
     return tuple(classes), tuple(kinds)
 
 
+def _class_of(seen: list[tuple], identity: tuple) -> int:
+    """Index of ``identity`` among those ``seen`` (appended when new)."""
+    for index, known in enumerate(seen):
+        if _same_identity(known, identity):
+            return index
+    seen.append(identity)
+    return len(seen) - 1
+
+
 def _same_identity(a: tuple, b: tuple) -> bool:
     if a[0] != b[0]:
         return False
     return a[1] is b[1] if a[0] == "object" else a[1] == b[1]
+
+
+def _shifted(entry: PlanEntry, offset: int) -> PlanEntry:
+    return PlanEntry(entry.op, tuple(i + offset for i in entry.indices), entry.backend)
 
 
 def _autocast_state(device: torch.device) -> tuple:
@@ -285,10 +292,11 @@ class OperationFuser:
         self.last_plan: FusionPlan | None = None
 
     # ------------------------------------------------------------ planning
-    def _param_dicts(self) -> list[dict[str, torch.Tensor | None]]:
+    def _param_dicts(self, *, for_kernels: bool = True) -> list[dict[str, torch.Tensor | None]]:
+        """Each op's parameter tensors of this call; ``for_kernels`` refuses sharded DTensors."""
         dicts = [op.param_tensors() for op in self.ops]
         for op, params in zip(self.ops, dicts):
-            if op.accepts_dtensor:
+            if op.accepts_dtensor or not for_kernels:
                 continue
             for name, tensor in params.items():
                 if _is_dtensor(tensor):
@@ -299,8 +307,8 @@ class OperationFuser:
                     )
         return dicts
 
-    def _params(self) -> list[list[torch.Tensor]]:
-        return [[t for t in d.values() if t is not None] for d in self._param_dicts()]
+    def _params(self, *, for_kernels: bool = True) -> list[list[torch.Tensor]]:
+        return [[t for t in d.values() if t is not None] for d in self._param_dicts(for_kernels=for_kernels)]
 
     def _grad_flags(
         self, input_requires_grad: bool, extra_inputs: list[tuple], params: list[list[torch.Tensor]]
@@ -434,14 +442,34 @@ class OperationFuser:
         """The plan a call would use, and the output meta, without computing anything."""
         per_op_extra = self.split_extra_inputs(extra_inputs)
         kwargs = [dict(k) if k else {} for k in (basic_op_kwargs or [None] * len(self.ops))]
-        params = self._params()
+        hooked = [op.hook_reason() for op in self.ops] if self.honour_hooks else []
+        if any(hooked):
+            return self._explain_segmented(
+                input_meta, input_requires_grad, per_op_extra, kwargs, guard, hooked
+            )
+        # parameters may be sharded DTensors here (FSDP reshards between calls): only
+        # their dtype, device and type matter for the plan
+        params = self._params(for_kernels=False)
         for op, op_kwargs in zip(self.ops, kwargs):
             op.check_kwargs(op_kwargs)
         meta = input_meta
         for op, op_extra, op_kwargs in zip(self.ops, per_op_extra, kwargs):
             meta = op.preflight(meta, op_extra, op_kwargs, guard=list(guard))
         grad_flags = self._grad_flags(input_requires_grad, per_op_extra, params)
-        return self.plan(input_meta, per_op_extra, kwargs, grad_flags), meta
+        return self.plan(input_meta, per_op_extra, kwargs, grad_flags, params), meta
+
+    def _explain_segmented(self, meta, input_requires_grad, extra_inputs, kwargs, guard, hooked):
+        segments = self._segments_for(hooked)
+        plans = []
+        for indices, fuser in segments:
+            sub = fuser or OperationFuser([self.ops[indices[0]]], honour_hooks=False)
+            flat_extra = [t for i in indices for t in extra_inputs[i]]
+            plan, meta = sub.explain(
+                meta, input_requires_grad, flat_extra, [kwargs[i] for i in indices], guard
+            )
+            input_requires_grad = input_requires_grad or plan.requires_grad
+            plans.append(plan)
+        return self._segmented_plan(segments, hooked, plans, meta.device, meta.dtype), meta
 
     def __call__(
         self,
@@ -521,20 +549,7 @@ class OperationFuser:
     ):
         """Ops with module hooks run alone through ``nn.Module.__call__`` so the hooks fire
         with the tensors the op sees; the runs between them are fused as usual."""
-        segments = self._segments.get(tuple(bool(h) for h in hooked))
-        if segments is None:
-            segments, run = [], []
-            for i, reason in enumerate(hooked):
-                if reason is None:
-                    run.append(i)
-                    continue
-                if run:
-                    segments.append((run, OperationFuser([self.ops[j] for j in run])))
-                    run = []
-                segments.append(([i], None))
-            if run:
-                segments.append((run, OperationFuser([self.ops[j] for j in run])))
-            self._segments[tuple(bool(h) for h in hooked)] = segments
+        segments = self._segments_for(hooked)
         x = input_
         extra_outputs: list[torch.Tensor] = []
         for indices, fuser in segments:
@@ -552,17 +567,46 @@ class OperationFuser:
                 extra_outputs.extend(outs)
             else:
                 x = result
-        self.last_plan = self._segmented_plan(segments, hooked)
+        plans = [None if fuser is None else fuser.last_plan for _, fuser in segments]
+        dtype = compute_dtype(input_.dtype, input_.device)
+        self.last_plan = self._segmented_plan(segments, hooked, plans, input_.device, dtype)
         return (x, *extra_outputs) if extra_outputs else x
 
-    def _segmented_plan(self, segments: list, hooked: list[str | None]) -> FusionPlan:
+    def _segments_for(self, hooked: list[str | None]) -> list[tuple[list[int], OperationFuser | None]]:
+        """Runs of ops without hooks (a fuser each) and hooked ops (None: called alone), cached."""
+        key = tuple(bool(h) for h in hooked)
+        segments = self._segments.get(key)
+        if segments is None:
+            segments, run = [], []
+            for i, reason in enumerate(hooked):
+                if reason is None:
+                    run.append(i)
+                    continue
+                if run:
+                    segments.append((run, OperationFuser([self.ops[j] for j in run])))
+                    run = []
+                segments.append(([i], None))
+            if run:
+                segments.append((run, OperationFuser([self.ops[j] for j in run])))
+            self._segments[key] = segments
+        return segments
+
+    def _segmented_plan(
+        self,
+        segments: list,
+        hooked: list[str | None],
+        plans: list[FusionPlan | None],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> FusionPlan:
         forward, backward, decisions = [], [], []
         template = None
-        for indices, fuser in segments:
+        for (indices, fuser), plan in zip(segments, plans):
             first = indices[0]
             if fuser is None:
                 op = self.ops[first]
-                entry = PlanEntry(op, (first,), getattr(op, "last_backend", None))
+                describe = getattr(op, "plan_backend", None)
+                entry = PlanEntry(op, (first,), describe(device, dtype) if describe else None)
                 forward.append(entry)
                 backward.append(entry)
                 decisions.append(
@@ -576,11 +620,9 @@ class OperationFuser:
                     )
                 )
                 continue
-            plan = fuser.last_plan
             template = plan
-            shift = lambda e: PlanEntry(e.op, tuple(i + first for i in e.indices), e.backend)  # noqa: E731
-            forward.extend(shift(e) for e in plan.forward)
-            backward.extend(shift(e) for e in plan.backward)
+            forward.extend(_shifted(e, first) for e in plan.forward)
+            backward.extend(_shifted(e, first) for e in plan.backward)
             decisions.extend(replace(d, indices=tuple(i + first for i in d.indices)) for d in plan.decisions)
         return FusionPlan(
             op_names=[op.op_name() for op in self.ops],
@@ -588,7 +630,7 @@ class OperationFuser:
             backward=backward,
             decisions=decisions,
             fusion_enabled=current_settings().fusion,
-            dtype=template.dtype if template else None,
-            device=template.device if template else None,
+            dtype=template.dtype if template else dtype,
+            device=template.device if template else device,
             requires_grad=True,
         )

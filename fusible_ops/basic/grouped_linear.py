@@ -10,9 +10,9 @@ import torch
 from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, validate_or_alloc_rows
 from ..dtypes import cast, compute_dtype
 from ..kernels import GroupedGemmBackend, select_backend
+from ..kernels import library as kernel_ops
 from ..op import BasicOperation, OperationContext, TensorMeta
 from ..settings import current_settings
-from ..kernels import library as kernel_ops
 from ..splits import SplitInfo, check_split_sizes, to_split_info
 
 

@@ -23,7 +23,7 @@ class ForwardLinearBiasActivation(FusedOperation):
     """Forward of ``BasicLinear -> Bias [-> Activation]`` with the bias folded into the GEMM."""
 
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
-        linear, bias = self.basic_ops[0], self.basic_ops[1]
+        linear = self.basic_ops[0]
         # tp_linear_forward with the bias: addmm in eager, bias kept out of the mm under async TP
         y = linear_forward(basic_op_ctxs[0], linear, input_, basic_op_ctxs[1].params["bias"])
         if len(self.basic_ops) == 3:

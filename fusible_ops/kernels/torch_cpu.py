@@ -30,7 +30,6 @@ from .cpu_buffer_pool import CpuBufferPool
 from .grouped_checks import check_dgrad, check_fprop, check_operands, check_weight, check_wgrad
 from .torch_loop import TorchLoopBackend, _row_ranges
 
-
 _GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
