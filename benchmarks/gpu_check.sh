@@ -6,7 +6,8 @@
 # Writes into OUT_DIR:
 #   env.txt                   date, GPU name and capability, torch / triton / CUDA versions
 #   triton_tests.log          tests/test_triton_backend.py compiled on the GPU (bf16, fp16,
-#                             no-host-sync, CUDA graph, autotune cache)
+#                             no-host-sync, CUDA graph, autotune cache) and tests/test_compile_cuda.py
+#                             (torch.compile with device split sizes: no sync, CUDA graph capture)
 #   info.log                  python -m fusible_ops info
 #   bench_default.log/.json   bench at the default shape, fused path forced to backend "triton"
 #   bench_large.log/.json     bench at 8 experts, hidden 4096, ffn 14336, 32768 rows
@@ -14,7 +15,7 @@
 #   summary.txt               one line per step with its exit status
 # Exit status: 0 when every step passed.
 #
-# Sized for one 10-minute device command: the default steps' limits add up to 510 s and
+# Sized for one 10-minute device command: the default steps' limits add up to 540 s and
 # write 8 files (the most a device run hands back). Environment knobs:
 # GPU_CHECK_REPEATS (bench rounds, default 10), GPU_CHECK_SUITE=1 (also run the whole
 # suite, GPU_CHECK_SUITE_TIMEOUT seconds, default 300).
@@ -64,7 +65,8 @@ EOF
 } > "$OUT_DIR/env.txt" 2>&1
 cat "$OUT_DIR/env.txt"
 
-step triton_tests 180 python -m pytest -q -p no:cacheprovider -rs tests/test_triton_backend.py
+step triton_tests 240 python -m pytest -q -p no:cacheprovider -rs tests/test_triton_backend.py \
+    tests/test_compile_cuda.py
 step info 60 python -m fusible_ops info
 
 # The bench's fused and unfused variants run with the backend forced to "triton"
@@ -76,7 +78,7 @@ bench() {  # bench NAME LIMIT_S [shape flags...]
         --json "$OUT_DIR/$name.json" "$@"
 }
 bench bench_default 90
-bench bench_large 180 --experts 8 --hidden 4096 --ffn 14336 --rows 32768
+bench bench_large 150 --experts 8 --hidden 4096 --ffn 14336 --rows 32768
 
 if [ "${GPU_CHECK_SUITE:-0}" = "1" ]; then
     step cuda_suite "$SUITE_TIMEOUT" python -m pytest -q -p no:cacheprovider -rs tests
