@@ -192,3 +192,16 @@ def test_moe_train_mode_has_no_graph_break_on_first_call():
 
     clear_backend_cache()  # as in a fresh process: the backends are probed while tracing
     _assert_no_breaks(_moe(), torch.randn(2, 5, 8, requires_grad=True))
+
+
+def test_compiled_moe_forward_backward_equals_eager():
+    moe = _moe()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    want = moe(x)
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *moe.parameters()])
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)
+    got = compiled(x)
+    got_grads = torch.autograd.grad(got.square().sum(), [x, *moe.parameters()])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
