@@ -143,67 +143,26 @@ def _mlp_forward_impl(
 
 
 def _mlp_forward(
-    x, w1, b1, w2, b2, scales, offsets, host_sizes, backend, *spec_args, scale_after_fc2, out=None
-):
+    tensors: tuple, backend: str, flags: tuple, out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``tensors``: ``(x, w1, b1, w2, b2, scales, offsets, host_sizes)``; ``flags``: the
+    activation spec's fields and ``scale_after_fc2``."""
+    x, w1, b1, w2, b2, scales, offsets, host_sizes = tensors
+    *spec_args, scale_after_fc2 = flags
+    host = _host(offsets, host_sizes)
+    spec = _spec(*spec_args)
     return _mlp_forward_impl(
-        _backend(backend),
-        x,
-        w1,
-        b1,
-        w2,
-        b2,
-        scales,
-        _host(offsets, host_sizes),
-        offsets,
-        _spec(*spec_args),
-        scale_after_fc2,
-        out,
+        _backend(backend), x, w1, b1, w2, b2, scales, host, offsets, spec, scale_after_fc2, out
     )
 
 
-def _mlp_forward_op(
-    x, w1, b1, w2, b2, scales, offsets, host_sizes, backend, kind, limit, alpha, offset, il, after
-):
-    return _mlp_forward(
-        x,
-        w1,
-        b1,
-        w2,
-        b2,
-        scales,
-        offsets,
-        host_sizes,
-        backend,
-        kind,
-        limit,
-        alpha,
-        offset,
-        il,
-        scale_after_fc2=after,
-    )
+def _mlp_forward_op(*args):
+    return _mlp_forward(args[:8], args[8], args[9:])
 
 
-def _mlp_forward_out_op(
-    x, w1, b1, w2, b2, scales, offsets, host_sizes, out, backend, kind, limit, alpha, offset, il, after
-):
-    pre, _ = _mlp_forward(
-        x,
-        w1,
-        b1,
-        w2,
-        b2,
-        scales,
-        offsets,
-        host_sizes,
-        backend,
-        kind,
-        limit,
-        alpha,
-        offset,
-        il,
-        scale_after_fc2=after,
-        out=out,
-    )
+def _mlp_forward_out_op(*args):
+    """Like ``grouped_mlp_forward`` with ``out`` (after the tensors) written; returns ``pre``."""
+    pre, _ = _mlp_forward(args[:8], args[9], args[10:], out=args[8])
     return pre
 
 

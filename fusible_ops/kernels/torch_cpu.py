@@ -27,7 +27,7 @@ import torch
 
 from .activation import ActivationSpec, activation_backward, activation_forward
 from .cpu_buffer_pool import CpuBufferPool
-from .grouped_checks import check_dgrad, check_fprop, check_operands, check_weight, check_wgrad
+from .grouped_checks import check_operands, check_weight
 from .torch_loop import TorchLoopBackend, _row_ranges
 
 _GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -186,79 +186,34 @@ class TorchCpuBackend(TorchLoopBackend):
             return f"{self.name}: dtype {dtype} is not a floating-point dtype"
         return None
 
-    # ------------------------------------------------------------ grouped GEMMs
-    def fprop(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``: ``[M, K] -> [M, N]``."""
-        where = f"{self.name}.fprop"
-        groups, n_out, k_in = check_fprop(where, x, weight, split_sizes, offsets, bias, out)
-        sizes = self._sizes(where, split_sizes, offsets, x)
-        if out is None and self._whole_grouped_mm(x, sizes, groups, n_out, k_in):
-            # no caller buffer: _grouped_mm's own result is the output (no copy)
-            y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=self._offs(sizes))
-            if bias is not None:
-                y.add_(bias.index_select(0, self._group_tables(sizes, x.device, x.dtype)[2]))
-            return y
-        if out is None:
-            out = self._alloc_rows(x.shape[0], n_out, sizes, x)
-        self._fprop_groups(x, weight, bias, sizes, out)
-        return out
+    # ------------------------------------------------------------ GEMMs without a caller buffer
+    # A small problem whose groups cover every row: _grouped_mm's own result is the output.
+    def _fprop_unbuffered(self, x, weight, bias, sizes: list[int]) -> torch.Tensor | None:
+        groups, n_out, k_in = weight.shape
+        if not self._whole_grouped_mm(x, sizes, groups, n_out, k_in):
+            return None
+        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=self._offs(sizes))
+        if bias is not None:
+            y.add_(bias.index_select(0, self._group_tables(sizes, x.device, x.dtype)[2]))
+        return y
 
-    def dgrad(
-        self,
-        grad_out: torch.Tensor,
-        weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[rows_g] = grad_out[rows_g] @ weight[g]``: ``[M, N] -> [M, K]``."""
-        where = f"{self.name}.dgrad"
-        groups, n_out, k_in = check_dgrad(where, grad_out, weight, split_sizes, offsets, out)
-        sizes = self._sizes(where, split_sizes, offsets, grad_out)
-        if out is None and self._whole_grouped_mm(grad_out, sizes, groups, n_out, k_in):
-            return torch._grouped_mm(grad_out, _dgrad_operand(weight), offs=self._offs(sizes))
-        if out is None:
-            out = self._alloc_rows(grad_out.shape[0], k_in, sizes, grad_out)
-        self._dgrad_groups(grad_out, weight, sizes, out)
-        return out
+    def _dgrad_unbuffered(self, grad_out, weight, sizes: list[int]) -> torch.Tensor | None:
+        groups, n_out, k_in = weight.shape
+        if not self._whole_grouped_mm(grad_out, sizes, groups, n_out, k_in):
+            return None
+        return torch._grouped_mm(grad_out, _dgrad_operand(weight), offs=self._offs(sizes))
 
-    def wgrad(
-        self,
-        grad_out: torch.Tensor,
-        x: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[g] = grad_out[rows_g].T @ x[rows_g]``: ``[G, N, K]``, zeros for empty groups."""
-        where = f"{self.name}.wgrad"
-        shape = check_wgrad(where, grad_out, x, split_sizes, offsets, out)
-        sizes = self._sizes(where, split_sizes, offsets, x)
+    def _wgrad_unbuffered(self, grad_out, x, sizes: list[int], shape) -> torch.Tensor | None:
         groups, n_out, k_in = shape
-        if (
-            out is None
-            and self._whole_grouped_mm(x, sizes, groups, n_out, k_in)
+        if not (
+            self._whole_grouped_mm(x, sizes, groups, n_out, k_in)
             and self._grouped_mm_takes(grad_out, n_out, k_in)
         ):
-            result = torch._grouped_mm(grad_out.t(), x, offs=self._offs(sizes))
-            if 0 in sizes:  # some builds leave empty groups unwritten
-                result.masked_fill_(self._tables_for(sizes)[1], 0)
-            return result
-        if out is None:
-            out = self._empty(shape, x)
-        self._wgrad_groups(grad_out, x, sizes, out)
-        return out
+            return None
+        result = torch._grouped_mm(grad_out.t(), x, offs=self._offs(sizes))
+        if 0 in sizes:  # some builds leave empty groups unwritten
+            result.masked_fill_(self._tables_for(sizes)[1], 0)
+        return result
 
     def _whole_grouped_mm(
         self, rows: torch.Tensor, sizes: list[int], groups: int, n_out: int, k_in: int

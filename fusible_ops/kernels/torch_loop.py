@@ -57,6 +57,9 @@ class TorchLoopBackend(GroupedGemmBackend):
         groups, n_out, k_in = check_fprop(where, x, weight, split_sizes, offsets, bias, out)
         sizes = self._sizes(where, split_sizes, offsets, x)
         if out is None:
+            whole = self._fprop_unbuffered(x, weight, bias, sizes)
+            if whole is not None:
+                return whole
             out = self._alloc_rows(x.shape[0], n_out, sizes, x)
         self._fprop_groups(x, weight, bias, sizes, out)
         return out
@@ -75,6 +78,9 @@ class TorchLoopBackend(GroupedGemmBackend):
         groups, n_out, k_in = check_dgrad(where, grad_out, weight, split_sizes, offsets, out)
         sizes = self._sizes(where, split_sizes, offsets, grad_out)
         if out is None:
+            whole = self._dgrad_unbuffered(grad_out, weight, sizes)
+            if whole is not None:
+                return whole
             out = self._alloc_rows(grad_out.shape[0], k_in, sizes, grad_out)
         self._dgrad_groups(grad_out, weight, sizes, out)
         return out
@@ -93,6 +99,9 @@ class TorchLoopBackend(GroupedGemmBackend):
         shape = check_wgrad(where, grad_out, x, split_sizes, offsets, out)
         sizes = self._sizes(where, split_sizes, offsets, x)
         if out is None:
+            whole = self._wgrad_unbuffered(grad_out, x, sizes, shape)
+            if whole is not None:
+                return whole
             out = self._empty(shape, x)
         self._wgrad_groups(grad_out, x, sizes, out)
         return out
@@ -114,6 +123,16 @@ class TorchLoopBackend(GroupedGemmBackend):
         return acc.to(grad_out.dtype)
 
     # ------------------------------------------------------------ GEMM bodies (after validation)
+    # ``*_unbuffered``: a result computed without a preallocated ``out`` (None: not taken)
+    def _fprop_unbuffered(self, x, weight, bias, sizes: list[int]) -> torch.Tensor | None:
+        return None
+
+    def _dgrad_unbuffered(self, grad_out, weight, sizes: list[int]) -> torch.Tensor | None:
+        return None
+
+    def _wgrad_unbuffered(self, grad_out, x, sizes: list[int], shape) -> torch.Tensor | None:
+        return None
+
     def _fprop_groups(
         self,
         x: torch.Tensor,
