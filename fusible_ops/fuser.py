@@ -81,6 +81,34 @@ def _same_identity(a: tuple, b: tuple) -> bool:
     return a[1] is b[1] if a[0] == "object" else a[1] == b[1]
 
 
+def _checked(rule, entries, ops: list[BasicOperation], kind: str) -> list[PlanEntry]:
+    """``entries`` if they cover every basic op exactly once, in order, each with its own ops.
+
+    A rule that drops, repeats or reorders an op, or builds a fused op over other ops than
+    the indices it claims, would silently change the math: refused, naming the rule.
+    """
+    name = getattr(rule, "__name__", repr(rule))
+    where = f"fusion rule {name!r} ({kind})"
+    if not isinstance(entries, (list, tuple)) or not all(isinstance(e, PlanEntry) for e in entries):
+        raise TypeError(f"{where} must return a list of PlanEntry, got {type(entries).__name__}")
+    covered = [i for entry in entries for i in entry.indices]
+    if covered != list(range(len(ops))):
+        raise RuntimeError(
+            f"{where} returned a plan covering ops {covered}; every op 0..{len(ops) - 1} must appear "
+            "exactly once and in order"
+        )
+    for entry in entries:
+        expected = [ops[i] for i in entry.indices]
+        got = [entry.op] if isinstance(entry.op, BasicOperation) else list(getattr(entry.op, "basic_ops", ()))
+        if len(got) != len(expected) or any(a is not b for a, b in zip(got, expected)):
+            raise RuntimeError(
+                f"{where}: the entry for ops {list(entry.indices)} holds "
+                f"{[op.op_name() for op in got] or type(entry.op).__name__}, not those ops "
+                f"({[op.op_name() for op in expected]})"
+            )
+    return list(entries)
+
+
 def _shifted(entry: PlanEntry, offset: int) -> PlanEntry:
     return PlanEntry(entry.op, tuple(i + offset for i in entry.indices), entry.backend)
 
@@ -381,15 +409,15 @@ class OperationFuser:
         if context.settings.fusion:
             context.kind = "joint"
             for rule in registered_rules("joint"):
-                forward = rule(forward, context)
+                forward = _checked(rule, rule(forward, context), self.ops, "joint")
             backward = forward
             context.kind = "forward"
             for rule in registered_rules("forward"):
-                forward = rule(forward, context)
+                forward = _checked(rule, rule(forward, context), self.ops, "forward")
             if context.requires_grad:
                 context.kind = "backward"
                 for rule in registered_rules("backward"):
-                    backward = rule(backward, context)
+                    backward = _checked(rule, rule(backward, context), self.ops, "backward")
         return FusionPlan(
             op_names=[op.op_name() for op in self.ops],
             forward=list(forward),

@@ -26,6 +26,10 @@ class Settings:
     triton_autotune: bool = True
 
 
+#: the type each setting must have exactly
+_TYPES: dict[str, type] = {"fusion": bool, "backend": str, "triton_autotune": bool}
+
+
 class _SettingsStack(threading.local):
     def __init__(self) -> None:
         self.stack: list[Settings] = [Settings()]
@@ -43,12 +47,20 @@ def current_settings() -> Settings:
 def settings(**changes: object) -> Iterator[Settings]:
     """Override settings inside a ``with`` block (thread-local, nestable).
 
-    Unknown names raise ``TypeError``; ``backend`` is checked against the registry.
+    Unknown names and values of the wrong type (``fusion="false"``, ``fusion=0``,
+    ``fusion=None``) raise ``TypeError``; ``backend`` is checked against the registry.
     """
     known = {f.name for f in dataclasses.fields(Settings)}
     unknown = sorted(set(changes) - known)
     if unknown:
         raise TypeError(f"fusible_ops.settings got unknown setting(s) {unknown}; known: {sorted(known)}")
+    for name, value in changes.items():
+        expected = _TYPES[name]
+        if type(value) is not expected:  # bool is an int subclass, and 0/1 are not bools here
+            raise TypeError(
+                f"fusible_ops.settings: {name} must be a {expected.__name__}, got {value!r} "
+                f"({type(value).__name__})"
+            )
     if "backend" in changes:
         from .kernels import backend_names
 

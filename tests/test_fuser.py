@@ -288,6 +288,79 @@ def test_fusion_off_matches_fused_and_reference():
             pass
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"fusion": "false"},
+        {"fusion": 0},
+        {"fusion": None},
+        {"fusion": 1},
+        {"triton_autotune": "no"},
+        {"backend": None},
+        {"backend": 3},
+    ],
+)
+def test_settings_values_of_the_wrong_type_are_refused(changes):
+    name = next(iter(changes))
+    with pytest.raises(TypeError, match=f"settings: {name} must be a"):
+        with fo.settings(**changes):
+            pass
+    assert fo.current_settings() == fo.Settings()  # nothing was pushed
+
+
+def test_settings_types_cover_every_setting():
+    from fusible_ops.settings import _TYPES
+
+    assert set(_TYPES) == {f.name for f in __import__("dataclasses").fields(fo.Settings)}
+    for name, value in fo.Settings().__dict__.items():
+        assert type(value) is _TYPES[name]
+
+
+def _dropping_rule(entries, context):
+    return entries[1:]  # loses op 0: the math would silently change
+
+
+def _repeating_rule(entries, context):
+    return [entries[0], *entries]
+
+
+def _reordering_rule(entries, context):
+    return list(reversed(entries))
+
+
+def _wrong_ops_rule(entries, context):
+    from fusible_ops.plan import PlanEntry
+
+    first = entries[0]
+    return [PlanEntry(entries[1].op, first.indices), *entries[1:]]  # op 1 claims to be op 0
+
+
+@pytest.mark.parametrize("kind", ["joint", "forward", "backward"])
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        (_dropping_rule, "covering ops"),
+        (_repeating_rule, "covering ops"),
+        (_reordering_rule, "covering ops"),
+        (_wrong_ops_rule, "holds"),
+    ],
+)
+def test_a_rule_that_does_not_cover_every_op_once_in_order_is_refused(kind, rule, message):
+    seq = expert_block()
+    x, probs = block_inputs()
+    # a buffer on fc1 keeps GroupedMLP from firing, so every rule kind sees three entries
+    out_buf = torch.full((ROWS, 2 * FFN), 7.0)
+    weights = [p.detach().clone() for p in seq.parameters()]
+    with registered(rule, kind, prepend=True):
+        with pytest.raises(RuntimeError, match=f"fusion rule '{rule.__name__}' \\({kind}\\).*{message}"):
+            seq(x, SPLITS, probs, SPLITS, op_kwargs={0: {fo.OUTPUT_BUFFER_KEY: out_buf}})
+    assert torch.all(out_buf == 7.0)  # refused before anything ran
+    assert all(torch.equal(p, w) for p, w in zip(seq.parameters(), weights))
+    assert x.grad is None
+    seq(x, SPLITS, probs, SPLITS).sum().backward()  # the next call, rule gone, works
+    assert x.grad is not None
+
+
 # ---------------------------------------------------------------- saved tensors
 
 
