@@ -17,13 +17,17 @@
 Non-gated activations (``srelu``) have no up projection: ``gate_up`` is ``[E, F, H]``
 and ``w3`` is omitted. The target is an ``MoE`` or its ``experts`` Sequential; under
 expert parallelism each rank reads only the experts it holds (``expert_range``).
-Every ``load_*`` checks all shapes before writing anything; values are cast to the
-parameters' dtype. ``export_*`` return the experts this rank holds, keyed or indexed
+Every ``load_*`` checks every tensor before writing anything (a failed load leaves the
+parameters unchanged): the shape, a real floating-point dtype (no complex, integer or
+bool), real data (no meta tensors) on the CPU or the parameters' device; keys and
+experts with no place in the target (e.g. biases for bias-free experts, experts past
+the model's count) are errors too. Values are cast to the parameters' dtype. ``export_*`` return the experts this rank holds, keyed or indexed
 by global expert id (stacked exports start at ``expert_range(target).start``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -95,13 +99,52 @@ def _dims(experts: nn.Module) -> tuple[int, int, int, bool]:
     return num_local, ffn, hidden, fc1_out == 2 * ffn
 
 
-def _check(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+def _check(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
+    """``ValueError`` unless ``tensor`` can be copied into a parameter of ``shape`` on ``device``."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(
             f"checkpoint: {name} must be a tensor of shape {list(shape)}, got {type(tensor).__name__}"
         )
+    if tensor.is_meta:
+        raise ValueError(f"checkpoint: {name} is a meta tensor (it holds no data)")
+    if not tensor.is_floating_point():
+        raise ValueError(
+            f"checkpoint: {name} has dtype {tensor.dtype}; expected a real floating-point tensor"
+        )
+    if tensor.device.type != "cpu" and tensor.device != device:
+        raise ValueError(f"checkpoint: {name} is on {tensor.device}; expected the CPU or {device}")
     if tuple(tensor.shape) != shape:
         raise ValueError(f"checkpoint: {name} has shape {list(tensor.shape)}; expected {list(shape)}")
+
+
+def _device_of(experts: nn.Module) -> torch.device:
+    return experts[0].weight.device
+
+
+def _check_no_unplaced_keys(state_dict: Mapping[str, object], pattern: str, allowed: set[str]) -> None:
+    """``ValueError`` for a key matching ``pattern`` (a regex) that is not in ``allowed``.
+
+    ``allowed`` holds every key this target (on any rank) reads; a matching key outside
+    it (an expert past the model's count, a bias for bias-free experts) has no place.
+    """
+    compiled = re.compile(pattern)
+    for key in state_dict:
+        if isinstance(key, str) and compiled.fullmatch(key) and key not in allowed:
+            raise ValueError(f"checkpoint: key {key!r} has no place in the target ({_why_unplaced(key)})")
+
+
+def _why_unplaced(key: str) -> str:
+    return "the experts have no biases" if "bias" in key else "no such expert or projection"
+
+
+def _check_expert_ids(name: str, source: Mapping[int, object] | Sequence[object], num_global: int) -> None:
+    """``ValueError`` for entries of ``source`` past the model's ``num_global`` experts."""
+    ids = list(source.keys()) if isinstance(source, Mapping) else range(len(source))
+    extra = [e for e in ids if not (isinstance(e, int) and 0 <= e < num_global)]
+    if extra:
+        raise ValueError(
+            f"checkpoint: {name} has entries for experts {extra} but the model has {num_global} experts"
+        )
 
 
 # ---------------------------------------------------------------- canonical <-> parameters
@@ -170,13 +213,15 @@ def load_stacked(
     fc1_out = 2 * ffn if gated else ffn
     if interleaved and not gated:
         raise ValueError("checkpoint: interleaved=True needs a gated activation (gate and up columns)")
-    _check("gate_up", gate_up, (num_global, hidden, fc1_out) if transposed else (num_global, fc1_out, hidden))
-    _check("down", down, (num_global, ffn, hidden) if transposed else (num_global, hidden, ffn))
+    device = _device_of(experts)
+    gate_up_shape = (num_global, hidden, fc1_out) if transposed else (num_global, fc1_out, hidden)
+    _check("gate_up", gate_up, gate_up_shape, device)
+    _check("down", down, (num_global, ffn, hidden) if transposed else (num_global, hidden, ffn), device)
     if (gate_up_bias is None) != (down_bias is None):
         raise ValueError("checkpoint: give both gate_up_bias and down_bias, or neither")
     if gate_up_bias is not None:
-        _check("gate_up_bias", gate_up_bias, (num_global, fc1_out))
-        _check("down_bias", down_bias, (num_global, hidden))
+        _check("gate_up_bias", gate_up_bias, (num_global, fc1_out), device)
+        _check("down_bias", down_bias, (num_global, hidden), device)
 
     local = slice(expert_range(target).start, expert_range(target).stop)
     gate_up, down = gate_up[local], down[local]
@@ -272,24 +317,30 @@ def load_per_expert(
         )
     if (b1 is None) != (b2 is None) or (gated and (b1 is None) != (b3 is None)):
         raise ValueError("checkpoint: give all of b1, b2" + (", b3" if gated else "") + " or none of them")
+    device = _device_of(experts)
+    num_global = _num_global_experts(target)
+    for name, source in (("w1", w1), ("w2", w2), ("w3", w3), ("b1", b1), ("b2", b2), ("b3", b3)):
+        if source is not None:
+            _check_expert_ids(name, source, num_global)
     ids = list(expert_range(target))
     gate = [_pick("w1", w1, e) for e in ids]
     down = [_pick("w2", w2, e) for e in ids]
     up = None if w3 is None else [_pick("w3", w3, e) for e in ids]
     for e, g, d in zip(ids, gate, down):
-        _check(f"w1[{e}]", g, (ffn, hidden))
-        _check(f"w2[{e}]", d, (hidden, ffn))
+        _check(f"w1[{e}]", g, (ffn, hidden), device)
+        _check(f"w2[{e}]", d, (hidden, ffn), device)
     for e, u in zip(ids, up or []):
-        _check(f"w3[{e}]", u, (ffn, hidden))
+        _check(f"w3[{e}]", u, (ffn, hidden), device)
     biases: list[list[torch.Tensor] | None] = [None, None, None]
     for slot, (name, source, size) in enumerate((("b1", b1, ffn), ("b2", b2, hidden), ("b3", b3, ffn))):
         if source is not None:
             biases[slot] = [_pick(name, source, e) for e in ids]
             for e, b in zip(ids, biases[slot]):
-                _check(f"{name}[{e}]", b, (size,))
+                _check(f"{name}[{e}]", b, (size,), device)
 
     def stack(tensors: list[torch.Tensor] | None) -> torch.Tensor | None:
-        return None if tensors is None else torch.stack(tensors)
+        # to(device): the checked tensors may mix the CPU and the parameters' device
+        return None if tensors is None else torch.stack([t.to(device) for t in tensors])
 
     _write(
         target,
@@ -341,6 +392,16 @@ def load_per_expert_state_dict(
         return found
 
     gate_name, up_name, down_name = names
+    used = (gate_name, up_name, down_name) if gated else (gate_name, down_name)
+    kinds = ("weight", "bias") if has_bias else ("weight",)
+    allowed = {
+        f"{prefix}{e}.{name}.{kind}"
+        for e in range(_num_global_experts(target))
+        for name in used
+        for kind in kinds
+    }
+    names_re = "|".join(re.escape(name) for name in names)
+    _check_no_unplaced_keys(state_dict, rf"{re.escape(prefix)}\d+\.(?:{names_re})\.(?:weight|bias)", allowed)
     load_per_expert(
         target,
         collect(gate_name, "weight"),
@@ -365,17 +426,25 @@ def load_grouped_keys(
     fc1, fc2 = experts[0], experts[2]
     has_bias = getattr(fc1, "bias", None) is not None
     ids = list(expert_range(target))
+    kinds = ("weight", "bias") if has_bias else ("weight",)
+    allowed = {
+        f"{prefix}{op_index}.{kind}{e}"
+        for e in range(_num_global_experts(target))
+        for op_index in (0, 2)
+        for kind in kinds
+    }
+    _check_no_unplaced_keys(state_dict, rf"{re.escape(prefix)}[02]\.(?:weight|bias)\d+", allowed)
     loaded = {}
     for op_index, op in ((0, fc1), (2, fc2)):
-        kinds = ("weight", "bias") if has_bias else ("weight",)
         for kind in kinds:
             rows = []
             for e in ids:
                 key = f"{prefix}{op_index}.{kind}{e}"
                 if key not in state_dict:
                     raise ValueError(f"checkpoint: missing key {key!r}")
-                _check(key, state_dict[key], tuple(getattr(op, kind).shape[1:]))
-                rows.append(state_dict[key])
+                param = getattr(op, kind)
+                _check(key, state_dict[key], tuple(param.shape[1:]), param.device)
+                rows.append(state_dict[key].to(param.device))
             loaded[(op, kind)] = torch.stack(rows)
     with torch.no_grad():
         for (op, kind), value in loaded.items():

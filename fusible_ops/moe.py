@@ -37,6 +37,9 @@ def topk_route(
     (differentiable w.r.t. ``logits``; computed in at least float32) and the int64
     expert indices, highest score first. ``score`` is ``"softmax"`` (over all experts)
     or ``"sigmoid"`` (per expert); ``renormalize`` divides the chosen weights by their sum.
+    Where that sum is zero (every chosen sigmoid score underflowed, e.g. logits of
+    ``-1e4``) the token gets equal weights ``1 / top_k`` instead of ``0 / 0``, so no NaN
+    appears (in the weights or their gradient).
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -53,8 +56,16 @@ def topk_route(
     scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
     probs, expert_ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = _renormalize(probs)
     return probs, expert_ids
+
+
+def _renormalize(probs: torch.Tensor) -> torch.Tensor:
+    """Divide each row by its sum; a row summing to zero becomes equal weights."""
+    total = probs.sum(dim=-1, keepdim=True)
+    # A safe denominator keeps 0 / 0 (and its gradient) out of the unused branch.
+    safe_total = total.clamp_min(torch.finfo(probs.dtype).tiny)
+    return torch.where(total > 0, probs / safe_total, 1.0 / probs.shape[-1])
 
 
 # ---------------------------------------------------------------- permute
@@ -84,8 +95,9 @@ def permute(
     """Gather ``tokens`` ``[T, H]`` into one row per (token, chosen expert), sorted by expert.
 
     ``expert_ids`` ``[T, k]`` (int) names the experts of each token; ``probs`` ``[T, k]``
-    their weights. Rows of one expert keep token order. ``expert_order`` (a permutation
-    of ``range(num_experts)``) sets the order of the expert groups; by default 0..E-1.
+    their weights. Rows of one expert keep token order. ``expert_order`` (an integer
+    permutation of ``range(num_experts)``; anything else is refused) sets the order of
+    the expert groups; by default 0..E-1.
     Differentiable w.r.t. ``tokens`` and ``probs``. Never syncs with the host.
     """
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
@@ -98,7 +110,7 @@ def permute(
         raise ValueError(
             f"permute: expert_ids has {expert_ids.shape[0]} rows but tokens has {tokens.shape[0]}"
         )
-    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
+    if not _is_integer_dtype(expert_ids.dtype):
         raise ValueError(f"permute: expert_ids must be an integer tensor, got {expert_ids.dtype}")
     if expert_ids.device != tokens.device:
         raise ValueError(f"permute: expert_ids is on {expert_ids.device} but tokens on {tokens.device}")
@@ -116,13 +128,9 @@ def permute(
     if expert_order is None:
         sort_key = flat_ids
     else:
-        if expert_order.shape != (num_experts,):
-            raise ValueError(
-                f"permute: expert_order must have shape ({num_experts},), got {tuple(expert_order.shape)}"
-            )
-        expert_order = expert_order.to(device=device, dtype=torch.long)
-        position_of_expert = torch.empty_like(expert_order)
-        position_of_expert[expert_order] = torch.arange(num_experts, device=device)
+        expert_order = _checked_expert_order(expert_order, num_experts).to(device=device)
+        # argsort inverts a permutation and, unlike a scatter, never leaves a slot unset.
+        position_of_expert = torch.argsort(expert_order)
         sort_key = position_of_expert[flat_ids]
 
     order = torch.argsort(sort_key, stable=True)
@@ -133,6 +141,39 @@ def permute(
     split_sizes = torch.zeros(num_experts, dtype=torch.long, device=device)
     split_sizes.scatter_add_(0, sort_key, torch.ones_like(sort_key))
     return Permutation(rows, sorted_probs, split_sizes, token_index)
+
+
+def _checked_expert_order(expert_order: object, num_experts: int) -> torch.Tensor:
+    """``expert_order`` as int64 after checking it is a permutation of ``range(num_experts)``."""
+    if not isinstance(expert_order, torch.Tensor) or expert_order.shape != (num_experts,):
+        raise ValueError(
+            f"permute: expert_order must be a tensor of shape ({num_experts},), got {_shape(expert_order)}"
+        )
+    if not _is_integer_dtype(expert_order.dtype):
+        raise ValueError(f"permute: expert_order must be an integer tensor, got {expert_order.dtype}")
+    order = expert_order.long()
+    expected = torch.arange(num_experts, device=order.device)
+    _require(
+        (torch.sort(order).values == expected).all(),
+        f"permute: expert_order must be a permutation of range({num_experts})",
+    )
+    return order
+
+
+def _require(ok: torch.Tensor, message: str) -> None:
+    """``ValueError(message)`` unless the 0-d bool ``ok`` holds, without a host read.
+
+    Eager CPU tensors are read on the host; while tracing, or for other devices, the
+    check becomes a device-side assert (asynchronous on GPUs).
+    """
+    if torch.compiler.is_compiling() or ok.device.type != "cpu":
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _check_expert_range(expert_ids: torch.Tensor, num_experts: int) -> None:
@@ -201,7 +242,8 @@ def unpermute(
 
     ``out[t] = sum(rows[i] * probs[i] for i with token_index[i] == t)`` (``probs`` None
     means weight 1, as when the experts already applied the routing weights).
-    Tokens routed nowhere get zeros. ``out`` (``[>= num_tokens, H]``, contiguous, no
+    Every ``token_index`` (integer) must lie in ``[0, num_tokens)``; this is checked
+    before ``out`` is touched. Tokens routed nowhere get zeros. ``out`` (``[>= num_tokens, H]``, contiguous, no
     grad) receives the result, and a view of its first rows is returned. Half-precision
     rows are accumulated in float32. Differentiable w.r.t. ``rows`` and ``probs``.
     """
@@ -215,8 +257,11 @@ def unpermute(
         raise ValueError(f"unpermute: num_tokens must be a non-negative int, got {num_tokens!r}")
     if probs is not None and (not isinstance(probs, torch.Tensor) or probs.shape != (rows.shape[0],)):
         raise ValueError(f"unpermute: probs must have shape ({rows.shape[0]},), got {_shape(probs)}")
+    if not _is_integer_dtype(token_index.dtype):
+        raise ValueError(f"unpermute: token_index must be an integer tensor, got {token_index.dtype}")
     if token_index.device != rows.device:
         raise ValueError(f"unpermute: token_index is on {token_index.device} but rows on {rows.device}")
+    _check_token_range(token_index, num_tokens)
     if out is None:
         # Not via validate_or_alloc_output: it casts the shape to int, which would pin a
         # traced (symbolic) token count to one value.
@@ -231,6 +276,21 @@ def unpermute(
             no_overlap=[t for t in (rows, probs) if t is not None],
         )
     return _Combine.apply(rows, probs, token_index.long(), num_tokens, [target])
+
+
+def _check_token_range(token_index: torch.Tensor, num_tokens: int) -> None:
+    """Every ``token_index`` in ``[0, num_tokens)``, checked before any output is written."""
+    if torch.compiler.is_compiling() or token_index.device.type != "cpu":
+        # No host read, and no formatting of a possibly symbolic num_tokens.
+        index = token_index.long()
+        in_range = ((index >= 0) & (index < num_tokens)).all()
+        torch._assert_async(in_range, "unpermute: token_index must lie in [0, num_tokens)")
+    elif token_index.numel() > 0:
+        lo, hi = int(token_index.min()), int(token_index.max())
+        if lo < 0 or hi >= num_tokens:
+            raise ValueError(
+                f"unpermute: token_index must lie in [0, num_tokens={num_tokens}), got values in [{lo}, {hi}]"
+            )
 
 
 def _is_int(value: object) -> bool:

@@ -220,3 +220,158 @@ def test_a_bare_experts_sequential_knows_its_global_experts():
     experts = MoE(H, F, E // 2, 1, dtype=torch.float64).experts
     experts.first_global_expert, experts.num_global_experts = 2, E  # as MoE records them on rank 1 of 2
     assert list(expert_range(experts)) == [2, 3]
+
+
+# ---------------------------------------------------------------- issue 11: failed loads write nothing
+
+
+def _bad(kind, like):
+    """A tensor shaped like ``like`` that no parameter may take."""
+    if kind == "complex":
+        return like.to(torch.complex128)
+    if kind == "int":
+        return like.round().long()
+    if kind == "bool":
+        return like > 0
+    return torch.empty_like(like, device="meta")
+
+
+_BAD = [
+    ("complex", "dtype torch.complex128"),
+    ("int", "dtype torch.int64"),
+    ("bool", "dtype torch.bool"),
+    ("meta", "meta tensor"),
+]
+
+
+def _assert_unchanged_then_loadable(moe, before, public, bias=False):
+    for k, v in moe.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # the next valid call on the same module works
+    biases = {"b1": public["gate_b"], "b3": public["up_b"], "b2": public["down_b"]} if bias else {}
+    load_per_expert(moe, public["gate"], public["down"], public["up"], **biases)
+    _assert_loaded(moe, public, bias)
+
+
+@pytest.mark.parametrize("kind, match", _BAD)
+def test_load_stacked_checks_dtype_and_data_before_writing(public, kind, match):
+    moe = MoE(H, F, E, 2, bias=True, dtype=torch.float64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    tensors = _stacked_tensors(public, transposed=False, interleaved=False)
+    for name in ("down", "down_bias"):  # checked after gate_up, written after fc1
+        bad = dict(tensors, **{name: _bad(kind, tensors[name])})
+        with pytest.raises(ValueError, match=rf"checkpoint: {name} .*{match}"):
+            load_stacked(moe, **bad)
+    _assert_unchanged_then_loadable(moe, before, public, bias=True)
+
+
+@pytest.mark.parametrize("kind, match", _BAD)
+def test_load_per_expert_checks_dtype_and_data_before_writing(public, kind, match):
+    moe = MoE(H, F, E, 2, dtype=torch.float64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    down = [*public["down"][:3], _bad(kind, public["down"][3])]
+    with pytest.raises(ValueError, match=rf"checkpoint: w2\[3\] .*{match}"):
+        load_per_expert(moe, public["gate"], down, public["up"])
+    _assert_unchanged_then_loadable(moe, before, public)
+
+
+@pytest.mark.parametrize("kind, match", _BAD)
+def test_load_grouped_keys_checks_dtype_and_data_before_writing(public, kind, match):
+    moe = MoE(H, F, E, 2, dtype=torch.float64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    sd = {f"experts.0.weight{e}": _expected_fc1(public, e) for e in range(E)}
+    sd.update({f"experts.2.weight{e}": public["down"][e] for e in range(E)})
+    sd["experts.2.weight3"] = _bad(kind, sd["experts.2.weight3"])
+    with pytest.raises(ValueError, match=rf"checkpoint: experts\.2\.weight3 .*{match}"):
+        load_grouped_keys(moe, sd)
+    _assert_unchanged_then_loadable(moe, before, public)
+
+
+def _per_expert_sd(public, bias):
+    sd = {}
+    for e in range(E):
+        for name, source in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+            sd[f"{e}.{name}.weight"] = public[source][e]
+            if bias:
+                sd[f"{e}.{name}.bias"] = public[{"gate": "gate_b", "up": "up_b", "down": "down_b"}[source]][e]
+    return sd
+
+
+def test_per_expert_state_dict_checks_dtype_before_writing(public):
+    moe = MoE(H, F, E, 2, dtype=torch.float64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    sd = _per_expert_sd(public, bias=False)
+    sd["3.w2.weight"] = sd["3.w2.weight"].to(torch.complex128)
+    with pytest.raises(ValueError, match=r"checkpoint: w2\[3\] has dtype torch.complex128"):
+        load_per_expert_state_dict(moe, sd)
+    _assert_unchanged_then_loadable(moe, before, public)
+
+
+def test_bias_keys_for_bias_free_experts_are_an_error(public):
+    moe = MoE(H, F, E, 2, dtype=torch.float64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    grouped = export_grouped_keys(MoE(H, F, E, 2, bias=True, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"checkpoint: key 'experts.0.bias0' has no place .*no biases"):
+        load_grouped_keys(moe, grouped)
+    with pytest.raises(ValueError, match=r"checkpoint: key '0.w1.bias' has no place .*no biases"):
+        load_per_expert_state_dict(moe, _per_expert_sd(public, bias=True))
+    with pytest.raises(ValueError, match="have no biases"):
+        load_per_expert(
+            moe,
+            public["gate"],
+            public["down"],
+            public["up"],
+            b1=public["gate_b"],
+            b2=public["down_b"],
+            b3=public["up_b"],
+        )
+    _assert_unchanged_then_loadable(moe, before, public)
+    # other keys of a whole-model state dict are not the loader's business
+    sd = _per_expert_sd(public, bias=False)
+    load_per_expert_state_dict(moe, {**sd, "router.weight": torch.zeros(E, H), "x.0.w1.bias": torch.zeros(1)})
+    _assert_loaded(moe, public, bias=False)
+
+
+def test_experts_past_the_models_count_are_an_error(public):
+    """A checkpoint with more experts than the model must not load its first E silently."""
+    moe = MoE(H, F, E, 2, dtype=torch.float64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    grouped = export_grouped_keys(moe)
+    grouped["experts.0.weight4"] = grouped["experts.0.weight0"]
+    with pytest.raises(ValueError, match=r"checkpoint: key 'experts.0.weight4' has no place"):
+        load_grouped_keys(moe, grouped)
+    sd = _per_expert_sd(public, bias=False)
+    sd["4.w2.weight"] = sd["0.w2.weight"]
+    with pytest.raises(ValueError, match=r"checkpoint: key '4.w2.weight' has no place"):
+        load_per_expert_state_dict(moe, sd)
+    with pytest.raises(ValueError, match=r"checkpoint: w1 has entries for experts \[4\]"):
+        load_per_expert(moe, [*public["gate"], public["gate"][0]], public["down"], public["up"])
+    with pytest.raises(ValueError, match=r"checkpoint: w3 has entries for experts \[-1\]"):
+        load_per_expert(
+            moe, public["gate"], public["down"], {**dict(enumerate(public["up"])), -1: public["up"][0]}
+        )
+    _assert_unchanged_then_loadable(moe, before, public)
+
+
+def test_non_gated_experts_refuse_up_projection_keys():
+    moe = MoE(H, F, E, 2, activation="srelu", dtype=torch.float64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    sd = {
+        f"{e}.{n}.weight": torch.randn(*s, dtype=torch.float64)
+        for e in range(E)
+        for n, s in (("w1", (F, H)), ("w2", (H, F)))
+    }
+    with pytest.raises(ValueError, match=r"checkpoint: key '0.w3.weight' has no place"):
+        load_per_expert_state_dict(moe, {**sd, "0.w3.weight": torch.randn(F, H, dtype=torch.float64)})
+    for k, v in moe.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    load_per_expert_state_dict(moe, sd)
+    assert torch.equal(moe.experts[0].weight[1].detach(), sd["1.w1.weight"])
+
+
+def test_loads_accept_other_float_dtypes_and_cast(public):
+    moe = MoE(H, F, E, 2, dtype=torch.float64)
+    load_per_expert(
+        moe, [g.float() for g in public["gate"]], public["down"], [u.half() for u in public["up"]]
+    )
+    torch.testing.assert_close(moe.experts[0].weight[0].detach()[:F], public["gate"][0].float().double())

@@ -245,6 +245,123 @@ def test_unpermute_failed_call_leaves_buffer_unchanged():
     assert (buf == 5.0).all()
 
 
+# ---------------------------------------------------------------- issue 11: no silent wrong results
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="aot_eager", fullgraph=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_topk_route_sigmoid_underflow_gives_equal_weights_not_nan(dtype):
+    logits = torch.randn(4, 5, dtype=torch.float64).to(dtype)
+    logits[1] = -1e4  # every sigmoid score of token 1 underflows to exactly 0
+    logits = logits.requires_grad_()
+    probs, ids = topk_route(logits, 2, score="sigmoid", renormalize=True)
+    assert not probs.isnan().any()
+    torch.testing.assert_close(probs[1], torch.full((2,), 0.5, dtype=probs.dtype))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4, dtype=probs.dtype))
+    # the other tokens are renormalised as before
+    scores = torch.sigmoid(logits.detach()[[0, 2, 3]].to(probs.dtype))
+    chosen = scores.gather(1, ids[[0, 2, 3]])
+    torch.testing.assert_close(probs.detach()[[0, 2, 3]], chosen / chosen.sum(-1, keepdim=True))
+    probs.sum().backward()
+    assert not logits.grad.isnan().any()
+
+
+def test_topk_route_sigmoid_underflow_under_compile_matches_eager():
+    logits = torch.full((3, 5), -1e4)
+    logits[0] = torch.randn(5)
+
+    def fn(logits):
+        return topk_route(logits, 2, score="sigmoid", renormalize=True)
+
+    eager, compiled = fn(logits), _compiled(fn)(logits)
+    assert all(torch.equal(e, c) for e, c in zip(eager, compiled))
+    assert not eager[0].isnan().any()
+
+
+@pytest.mark.parametrize(
+    "order, match",
+    [
+        (torch.tensor([0, 0, 1]), "permutation"),  # a duplicate leaves expert 2 without a slot
+        (torch.tensor([0, 1, 3]), "permutation"),
+        (torch.tensor([-1, 0, 1]), "permutation"),
+        (torch.tensor([2.0, 0.0, 1.0]), "integer"),
+        (torch.tensor([True, False, True]), "integer"),
+        (torch.tensor([0, 1]), r"shape \(3,\)"),
+        ([2, 0, 1], "tensor"),
+    ],
+)
+def test_permute_rejects_an_expert_order_that_is_not_a_permutation(order, match):
+    tokens = torch.arange(4, dtype=torch.float64).reshape(4, 1)
+    ids = torch.tensor([[0], [1], [2], [1]])
+    originals = (tokens.clone(), ids.clone(), order.clone() if isinstance(order, torch.Tensor) else order)
+    with pytest.raises(ValueError, match=rf"permute: expert_order .*{match}"):
+        permute(tokens, ids, 3, expert_order=order)
+    assert torch.equal(tokens, originals[0]) and torch.equal(ids, originals[1])
+    if isinstance(order, torch.Tensor):
+        assert torch.equal(order, originals[2])
+    # the next valid call on the same tensors works
+    perm = permute(tokens, ids, 3, expert_order=torch.tensor([2, 0, 1]))
+    assert perm.rows.flatten().tolist() == [2.0, 0.0, 1.0, 3.0]
+
+
+def test_permute_expert_order_other_integer_dtypes():
+    tokens = torch.arange(4, dtype=torch.float64).reshape(4, 1)
+    ids = torch.tensor([[0], [1], [2], [1]], dtype=torch.int32)
+    perm = permute(tokens, ids, 3, expert_order=torch.tensor([2, 0, 1], dtype=torch.uint8))
+    assert perm.rows.flatten().tolist() == [2.0, 0.0, 1.0, 3.0]
+    assert perm.split_sizes.tolist() == [1, 1, 2]
+
+
+def test_permute_bad_expert_order_fails_in_the_graph():
+    tokens, ids = torch.randn(3, 2), torch.tensor([[0], [2], [1]])
+    fn = _compiled(lambda tokens, ids, order: permute(tokens, ids, 3, expert_order=order).rows)
+    with pytest.raises(RuntimeError, match=r"expert_order must be a permutation of range\(3\)"):
+        fn(tokens, ids, torch.tensor([0, 0, 1]))
+    torch.testing.assert_close(fn(tokens, ids, torch.tensor([1, 2, 0])), tokens[[2, 1, 0]])
+
+
+@pytest.mark.parametrize(
+    "token_index, num_tokens, match",
+    [
+        (torch.tensor([0, 1, 3]), 3, r"\[0, num_tokens=3\), got values in \[0, 3\]"),
+        (torch.tensor([0, -1, 2]), 3, r"got values in \[-1, 2\]"),
+        (torch.tensor([0, 1, 2]), 2, r"num_tokens=2"),  # too-small num_tokens
+        (torch.tensor([0, 1, 2]), 0, r"num_tokens=0"),
+        (torch.tensor([0.0, 1.0, 2.0]), 3, "integer"),
+    ],
+)
+def test_unpermute_bad_token_index_raises_before_touching_out(token_index, num_tokens, match):
+    rows, probs = torch.randn(3, 2), torch.rand(3)
+    buf = torch.full((4, 2), 5.0)
+    originals = (rows.clone(), probs.clone(), token_index.clone())
+    with pytest.raises(ValueError, match=rf"unpermute: token_index .*{match}"):
+        unpermute(rows, token_index, num_tokens, probs=probs, out=buf)
+    assert (buf == 5.0).all()
+    assert torch.equal(rows, originals[0]) and torch.equal(probs, originals[1])
+    assert torch.equal(token_index, originals[2])
+    # the next valid call on the same buffer works
+    out = unpermute(rows, torch.tensor([0, 1, 0]), 2, probs=probs, out=buf)
+    torch.testing.assert_close(
+        out, torch.stack([rows[0] * probs[0] + rows[2] * probs[2], rows[1] * probs[1]])
+    )
+    assert (buf[2:] == 5.0).all()
+
+
+def test_unpermute_out_of_range_token_index_fails_in_the_graph():
+    rows = torch.randn(3, 2)
+    buf = torch.full((4, 2), 5.0)
+    fn = _compiled(lambda rows, index, buf: unpermute(rows, index, 3, out=buf))
+    with pytest.raises(RuntimeError, match=r"token_index must lie in \[0, num_tokens\)"):
+        fn(rows, torch.tensor([0, 1, 3]), buf)
+    assert (buf == 5.0).all()
+    out = fn(rows, torch.tensor([0, 1, 2]), buf)
+    assert torch.equal(out, rows) and (buf[3] == 5.0).all()
+
+
 # ---------------------------------------------------------------- MoE layer
 
 import fusible_ops as fo  # noqa: E402
