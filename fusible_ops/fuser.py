@@ -188,6 +188,22 @@ def _op_params(state: _CallState, index: int, tensors: Sequence[torch.Tensor]) -
     return params
 
 
+def _check_unfrozen(state: _CallState, params: list[dict[str, Any]]) -> None:
+    """Refuse a backward whose parameter was unfrozen after forward (before any write).
+
+    Forward saved nothing that parameter's gradient needs, so the gradient cannot be
+    computed; silently leaving it unset would train the wrong thing.
+    """
+    for op, op_params, flags in zip(state.fuser.ops, params, state.param_requires_grad):
+        for name, tensor in op_params.items():
+            if tensor is not None and tensor.requires_grad and not flags.get(name, False):
+                raise RuntimeError(
+                    f"{op.op_name()}: parameter {name!r} was set to require grad after forward; its "
+                    "gradient cannot be computed from what forward saved. Set requires_grad before "
+                    "the forward pass (or run forward again)"
+                )
+
+
 def _split_params(state: _CallState, flat: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
     result, start = [], 0
     for index, names in enumerate(state.param_names):
@@ -260,6 +276,8 @@ class _FuserFunction(torch.autograd.Function):
         saved = func_ctx.saved_tensors
         num_params = sum(len(names) for names in state.param_names)
         params = _split_params(state, saved[:num_params])
+        if not torch.compiler.is_compiling():
+            _check_unfrozen(state, params)
         position = num_params
         ctxs = []
         for index, (fwd_ctx, (num_positional, names)) in enumerate(zip(func_ctx.ctxs, func_ctx.layout)):

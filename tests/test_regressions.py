@@ -159,3 +159,23 @@ def test_parameter_modified_between_forward_and_backward_is_an_error():
         lin.weight.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_unfreezing_a_parameter_between_forward_and_backward_is_an_error(fusion):
+    torch.manual_seed(0)
+    seq = fo.Sequential(fo.GroupedLinear(2, 4, 8), fo.ScaledSwiGLU(), fo.GroupedLinear(2, 4, 4))
+    seq[0].weight.requires_grad_(False)
+    x = torch.randn(3, 4, requires_grad=True)
+    probs = torch.rand(3)
+    grad_buf = torch.full((3, 4), 7.0)
+    with fo.settings(fusion=fusion):
+        y = seq(x, [1, 2], probs, [1, 2], op_kwargs={0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}})
+    seq[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="GroupedLinear: parameter 'weight' was set to require grad after"):
+        y.sum().backward()
+    assert torch.all(grad_buf == 7.0) and x.grad is None
+    assert seq[0].weight.grad is None and seq[2].weight.grad is None
+    with fo.settings(fusion=fusion):  # the next call, with the flag set before forward, works
+        seq(x, [1, 2], probs, [1, 2]).sum().backward()
+    assert seq[0].weight.grad is not None and x.grad is not None
