@@ -204,6 +204,16 @@ def _check_unfrozen(state: _CallState, params: list[dict[str, Any]]) -> None:
                 )
 
 
+def _check_dense(op_name: str, what: str, tensor: torch.Tensor) -> None:
+    """Sparse and meta tensors have no dense data for the kernels: a clear error, not a raw one."""
+    if tensor.layout != torch.strided:
+        raise ValueError(
+            f"{op_name}: {what} has layout {tensor.layout}; only dense (strided) tensors are supported"
+        )
+    if tensor.is_meta:
+        raise ValueError(f"{op_name}: {what} is a meta tensor (shape only, no data); the op needs real data")
+
+
 def _split_params(state: _CallState, flat: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
     result, start = [], 0
     for index, names in enumerate(state.param_names):
@@ -469,6 +479,11 @@ class OperationFuser:
             )
         for op, op_kwargs in zip(self.ops, kwargs):
             op.check_kwargs(op_kwargs)
+        _check_dense(self.ops[0].op_name(), "input", input_)
+        for op, op_extra in zip(self.ops, extra_inputs):
+            for value in op_extra:
+                if isinstance(value, torch.Tensor):
+                    _check_dense(op.op_name(), "extra input", value)
         guard = [input_]
         guard.extend(t for op_extra in extra_inputs for t in op_extra if isinstance(t, torch.Tensor))
         guard.extend(p for op_params in params for p in op_params)

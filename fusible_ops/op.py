@@ -74,6 +74,15 @@ class OperationContext:
         return ctx
 
 
+def check_sizes(op_name: str, **sizes: object) -> None:
+    """Constructor sizes must be positive ints (``TypeError``/``ValueError`` naming the op)."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{op_name}: {name} must be an int, got {value!r} ({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"{op_name}: {name} must be positive, got {value}")
+
+
 class FusibleOperation:
     """Anything the fuser can run: a basic op or a fused op."""
 

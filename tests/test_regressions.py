@@ -179,3 +179,31 @@ def test_unfreezing_a_parameter_between_forward_and_backward_is_an_error(fusion)
     with fo.settings(fusion=fusion):  # the next call, with the flag set before forward, works
         seq(x, [1, 2], probs, [1, 2]).sum().backward()
     assert seq[0].weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("value", [4.0, "4", True, None])
+def test_constructor_sizes_must_be_ints(value):
+    with pytest.raises(TypeError, match="GroupedLinear: num_groups must be an int"):
+        fo.GroupedLinear(value, 4, 4)
+    with pytest.raises(TypeError, match="BasicLinear: in_features must be an int"):
+        fo.BasicLinear(value, 4)
+    with pytest.raises(TypeError, match="Bias: features must be an int"):
+        fo.Bias(value)
+
+
+@pytest.mark.parametrize("where", ["input", "split sizes"])
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_meta_and_sparse_tensors_get_a_clear_error(where, kind):
+    torch.manual_seed(0)
+    lin = fo.GroupedLinear(2, 4, 4)
+    weight = lin.weight.detach().clone()
+    x, splits = torch.randn(3, 4), torch.tensor([1, 2])
+    bad = {"input": x, "split sizes": splits}[where]
+    bad = bad.to("meta") if kind == "meta" else bad.to_sparse()
+    x, splits = (bad, splits) if where == "input" else (x, bad)
+    out_buf = torch.full((3, 4), 7.0)
+    match = "meta tensor" if kind == "meta" else "layout torch.sparse_coo"
+    with pytest.raises(ValueError, match=f"GroupedLinear: .*{match}"):
+        lin(x, splits, output=out_buf)
+    assert torch.all(out_buf == 7.0) and torch.equal(lin.weight, weight)
+    assert lin(torch.randn(3, 4), [1, 2], output=out_buf).data_ptr() == out_buf.data_ptr()

@@ -11,7 +11,7 @@ from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, val
 from ..dtypes import cast, compute_dtype
 from ..kernels import GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
-from ..op import BasicOperation, OperationContext, TensorMeta
+from ..op import BasicOperation, OperationContext, TensorMeta, check_sizes
 from ..settings import current_settings
 from ..splits import SplitInfo, check_split_sizes, to_split_info
 
@@ -65,11 +65,9 @@ class GroupedLinear(BasicOperation):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if num_groups < 1 or in_features < 1 or out_features < 1:
-            raise ValueError(
-                f"GroupedLinear: num_groups, in_features and out_features must be positive, got "
-                f"{num_groups}, {in_features}, {out_features}"
-            )
+        check_sizes(
+            "GroupedLinear", num_groups=num_groups, in_features=in_features, out_features=out_features
+        )
         self.num_groups = num_groups
         self.in_features = in_features
         self.out_features = out_features

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..dtypes import cast, compute_dtype
-from ..op import BasicOperation, OperationContext, TensorMeta
+from ..op import BasicOperation, OperationContext, TensorMeta, check_sizes
 from ..parallel.tp_linear import tp_linear_forward
 from .grouped_linear import check_float_input
 
@@ -28,6 +28,7 @@ class BasicLinear(BasicOperation):
 
     def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None) -> None:
         super().__init__()
+        check_sizes("BasicLinear", in_features=in_features, out_features=out_features)
         self.in_features = in_features
         self.out_features = out_features
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
@@ -107,6 +108,7 @@ class Bias(BasicOperation):
 
     def __init__(self, features: int, *, device=None, dtype=None) -> None:
         super().__init__()
+        check_sizes("Bias", features=features)
         self.features = features
         self.bias = torch.nn.Parameter(torch.empty(features, device=device, dtype=dtype))
         self.reset_parameters()
