@@ -110,6 +110,12 @@ class MoE(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"MoE: input must be [..., {self.hidden_size}], got {shape}")
+        weight = self.router.weight
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(
+                f"MoE: input dtype {x.dtype} does not match the parameters' dtype {weight.dtype}; "
+                "convert one of them (e.g. moe.to(dtype)) or run under torch.autocast"
+            )
         tokens = x.reshape(-1, self.hidden_size)
         probs, expert_ids = topk_route(
             self.router(tokens), self.top_k, score=self.score, renormalize=self.renormalize

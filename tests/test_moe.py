@@ -491,3 +491,15 @@ def test_unpermute_probs_gradient_keeps_float64():
     probs = torch.rand(6, dtype=torch.float64, requires_grad=True)
     token_index = torch.tensor([0, 1, 1, 2, 0, 2])
     assert torch.autograd.gradcheck(lambda r, p: unpermute(r, token_index, 3, probs=p), (rows, probs))
+
+
+def test_moe_input_dtype_must_match_its_parameters():
+    torch.manual_seed(0)
+    moe = MoE(8, 6, 4, 2)
+    state = {k: v.clone() for k, v in moe.state_dict().items()}
+    with pytest.raises(
+        ValueError, match="MoE: input dtype torch.float64 does not match the parameters' dtype"
+    ):
+        moe(torch.randn(2, 3, 8, dtype=torch.float64))
+    assert all(torch.equal(state[k], v) for k, v in moe.state_dict().items())
+    assert moe(torch.randn(2, 3, 8)).shape == (2, 3, 8)  # the next valid call works
