@@ -14,6 +14,7 @@ from .fusion_rules import FusionContext, registered_rules, registry_version
 from .op import BasicOperation, OperationContext, TensorMeta
 from .plan import FusionDecision, FusionPlan, PlanEntry
 from .settings import current_settings
+from .splits import start_call
 
 _MAX_CACHED_PLANS = 32
 
@@ -538,6 +539,7 @@ class OperationFuser:
         *extra_inputs: Any,
         basic_op_kwargs: Sequence[dict[str, Any] | None] | None = None,
     ):
+        start_call()
         per_op_extra = self.split_extra_inputs(extra_inputs)
         if basic_op_kwargs is None:
             kwargs = [{} for _ in self.ops]

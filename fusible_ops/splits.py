@@ -34,8 +34,10 @@ class _LastSplits:
     """The most recent CPU split-size tensor seen, its version and what was derived from it.
 
     One call hands the same tensor to fc1 and fc2 (and preflight checks it before either
-    runs): its values are read once, not four times. The version counter makes an
-    in-place change of the tensor a miss. Never used while tracing.
+    runs): its values are read once, not four times. Every fuser call starts afresh
+    (:func:`start_call`), because a write through a shared NumPy or DLPack view changes
+    the values without bumping the version counter; within a call the version counter
+    makes an in-place change a miss. Never used while tracing.
     """
 
     def __init__(self) -> None:
@@ -61,6 +63,11 @@ def _last_splits() -> _LastSplits:
     if last is None:
         last = _last.value = _LastSplits()
     return last
+
+
+def start_call() -> None:
+    """Forget the split sizes read by earlier calls (see :class:`_LastSplits`)."""
+    _last_splits().tensor = None
 
 
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:

@@ -207,3 +207,17 @@ def test_meta_and_sparse_tensors_get_a_clear_error(where, kind):
         lin(x, splits, output=out_buf)
     assert torch.all(out_buf == 7.0) and torch.equal(lin.weight, weight)
     assert lin(torch.randn(3, 4), [1, 2], output=out_buf).data_ptr() == out_buf.data_ptr()
+
+
+def test_split_sizes_written_through_numpy_between_calls_are_read_again():
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    lin = fo.GroupedLinear(2, 4, 4)
+    x = torch.randn(4, 4)
+    sizes_np = np.array([1, 3])
+    splits = torch.from_numpy(sizes_np)  # shares memory: numpy writes bump no version counter
+    lin(x, splits)
+    sizes_np[:] = [3, 1]
+    got = lin(x, splits)
+    want = torch.cat([x[:3] @ lin.weight[0].T, x[3:] @ lin.weight[1].T]).detach()
+    torch.testing.assert_close(got, want)
