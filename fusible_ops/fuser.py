@@ -223,6 +223,25 @@ def _split_params(state: _CallState, flat: Sequence[torch.Tensor]) -> list[dict[
     return result
 
 
+def _run_forward(
+    plan: FusionPlan, ctxs: list[OperationContext], input_: torch.Tensor, extra_inputs: list, kwargs: list
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+    """Run the plan's forward entries; returns the output and each basic op's extra outputs."""
+    x = input_
+    extra_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(ctxs)
+    for entry in plan.forward:
+        idx = entry.indices
+        x, op_extra_outputs = entry.op.fuser_forward(
+            [ctxs[i] for i in idx],
+            x,
+            basic_op_extra_inputs=[extra_inputs[i] for i in idx],
+            basic_op_kwargs=[kwargs[i] for i in idx],
+        )
+        for i, outs in zip(idx, op_extra_outputs):
+            extra_outputs[i] = tuple(outs)
+    return x, extra_outputs
+
+
 class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, input_: torch.Tensor, state: _CallState, *unique_args: Any):
@@ -246,18 +265,7 @@ class _FuserFunction(torch.autograd.Function):
             ctx.param_requires_grad = state.param_requires_grad[len(ctxs)]
             ctxs.append(ctx)
 
-        x = input_
-        extra_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(ctxs)
-        for entry in state.plan.forward:
-            idx = entry.indices
-            x, op_extra_outputs = entry.op.fuser_forward(
-                [ctxs[i] for i in idx],
-                x,
-                basic_op_extra_inputs=[extra_inputs[i] for i in idx],
-                basic_op_kwargs=[state.kwargs[i] for i in idx],
-            )
-            for i, outs in zip(idx, op_extra_outputs):
-                extra_outputs[i] = tuple(outs)
+        x, extra_outputs = _run_forward(state.plan, ctxs, input_, extra_inputs, state.kwargs)
 
         if state.plan.requires_grad:
             # The parameters are saved like any input autograd keeps: backward computes
@@ -590,19 +598,8 @@ class OperationFuser:
             ctx = OperationContext()
             ctx.params = params
             ctxs.append(ctx)
-        x = input_
-        extra_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(ctxs)
         with torch.no_grad():
-            for entry in plan.forward:
-                idx = entry.indices
-                x, op_extra_outputs = entry.op.fuser_forward(
-                    [ctxs[i] for i in idx],
-                    x,
-                    basic_op_extra_inputs=[extra_inputs[i] for i in idx],
-                    basic_op_kwargs=[kwargs[i] for i in idx],
-                )
-                for i, outs in zip(idx, op_extra_outputs):
-                    extra_outputs[i] = tuple(outs)
+            x, extra_outputs = _run_forward(plan, ctxs, input_, extra_inputs, kwargs)
         flat_extra_outputs = [t for outs in extra_outputs for t in outs]
         return (x, *flat_extra_outputs) if flat_extra_outputs else x
 

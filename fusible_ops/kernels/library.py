@@ -29,6 +29,7 @@ import torch
 from ..splits import SplitInfo as Splits
 from .activation import ActivationSpec, row_dot
 from .base import GroupedGemmBackend, group_ids_from_offsets
+from .grouped_checks import host_split_sizes
 
 Tensor = torch.Tensor
 
@@ -49,8 +50,7 @@ def _host(offsets: Tensor, host_sizes: Tensor | None) -> list[int] | None:
     if host_sizes is not None:
         return [int(v) for v in host_sizes.tolist()]
     if offsets.device.type == "cpu":
-        ends = offsets.tolist()
-        return [e - s for s, e in zip([0, *ends[:-1]], ends)]
+        return host_split_sizes(None, offsets)  # also refuses decreasing offsets
     return None
 
 
