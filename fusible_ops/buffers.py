@@ -79,9 +79,15 @@ def validate_or_alloc_output(
         raise ValueError(f"{where} must be contiguous (got strides {buffer.stride()})")
     if buffer.requires_grad:
         raise ValueError(f"{where} must not require grad; pass buf.detach()")
+    tracing = torch.compiler.is_compiling()
+    if not tracing and buffer.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            f"{where} was created under torch.inference_mode and cannot be written outside it; "
+            "allocate it outside inference_mode (or pass buf.clone())"
+        )
     # Data pointers do not exist while tracing; compiled graphs are functionalized, so
     # a mutated buffer that aliases an input is written after every read of it.
-    checked = () if torch.compiler.is_compiling() else no_overlap
+    checked = () if tracing else no_overlap
     for other in checked:
         if isinstance(other, torch.Tensor) and tensors_overlap(buffer, other):
             raise ValueError(
@@ -121,6 +127,47 @@ def validate_or_alloc_rows(
     return validate_or_alloc_output(
         buffer, shape, dtype, device, op_name=op_name, key=key, no_overlap=no_overlap
     )
+
+
+def call_buffers(
+    ops: Sequence[object], kwargs: Sequence[dict | None], positions: Sequence[int]
+) -> list[tuple[str, torch.Tensor]]:
+    """``(label, tensor)`` for every caller buffer among the ops' kwargs of one call;
+    ``positions``: each op's index in its Sequential (or fuser), named in the label."""
+    found = []
+    for op, op_kwargs, position in zip(ops, kwargs, positions):
+        for key in getattr(op, "buffer_kwargs", ()):
+            buffer = (op_kwargs or {}).get(key)
+            if isinstance(buffer, torch.Tensor):
+                found.append((f"{op.op_name()}: buffer {key!r} (op {position})", buffer))
+    return found
+
+
+def check_call_buffers(buffers: Sequence[tuple[str, torch.Tensor]], guard: Iterable[torch.Tensor]) -> None:
+    """Refuse a call whose caller buffers overlap each other or any ``guard`` tensor.
+
+    One call is one forward and its backward: two buffers sharing memory would make one
+    op's result overwrite another's (or the forward output be overwritten by a gradient),
+    and a buffer overlapping an input, extra input or parameter would corrupt what the
+    call reads. ``guard``: every such tensor of the whole call (all groups of a
+    Sequential). Skipped while tracing (no data pointers; see docs/compile.md).
+    """
+    if not buffers or torch.compiler.is_compiling():
+        return
+    guard = [t for t in guard if isinstance(t, torch.Tensor)]
+    for i, (label, buffer) in enumerate(buffers):
+        for other_label, other in buffers[:i]:
+            if tensors_overlap(buffer, other):
+                raise ValueError(
+                    f"{label} overlaps {other_label}: every buffer of a call must be its own memory "
+                    "(one result or gradient would overwrite the other); use separate buffers"
+                )
+        for tensor in guard:
+            if tensors_overlap(buffer, tensor):
+                raise ValueError(
+                    f"{label} overlaps the memory of an input, extra input, parameter or module "
+                    f"buffer of the call (shape {tuple(tensor.shape)}); use a separate buffer"
+                )
 
 
 def buffer_rows(buffer: torch.Tensor | None, num_rows: int, features: int) -> torch.Tensor | None:

@@ -53,11 +53,21 @@ class _Experts:
 
 
 def _experts_of(target: nn.Module) -> nn.Module:
-    experts = getattr(target, "experts", target)
-    if len(experts) != 3 or not all(hasattr(experts[i], "weight") for i in (0, 2)):
+    """The experts Sequential of ``target`` (an MoE, or that Sequential itself), checked."""
+    from .basic.grouped_linear import GroupedLinear
+    from .sequential import Sequential
+
+    experts = getattr(target, "experts", target) if isinstance(target, nn.Module) else target
+    shape_ok = isinstance(experts, Sequential) and len(experts) == 3
+    if not shape_ok or not all(isinstance(experts[i], GroupedLinear) for i in (0, 2)):
+        found = (
+            f"a {type(experts).__name__} of {[type(m).__name__ for m in experts]}"
+            if isinstance(experts, Sequential)
+            else f"a {type(target).__name__}"
+        )
         raise TypeError(
-            "checkpoint: target must be an MoE or an experts Sequential "
-            "(GroupedLinear, scaled activation, GroupedLinear)"
+            "checkpoint: target must be an fo.MoE or its experts Sequential (GroupedLinear, "
+            f"scaled activation, GroupedLinear); got {found}"
         )
     return experts
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -9,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .buffers import GRAD_INPUT_BUFFER_KEY, call_buffers, check_call_buffers, tensors_overlap
 from .dtypes import compute_dtype
 from .fusion_rules import FusionContext, registered_rules, registry_version
 from .op import BasicOperation, OperationContext, TensorMeta
@@ -140,6 +143,8 @@ class _CallState:
     #: fc1 and fc2, tied weights) is passed once, as Dynamo requires
     slots: list[int]
     num_args: int
+    #: ``(op index, buffer, version at forward)`` of each grad_input buffer (empty while tracing)
+    grad_buffers: list[tuple[int, torch.Tensor, int]]
 
 
 def _dedupe(values: list[Any]) -> tuple[list[Any], list[int]]:
@@ -215,6 +220,40 @@ def _check_dense(op_name: str, what: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{op_name}: {what} is a meta tensor (shape only, no data); the op needs real data")
 
 
+def _check_grad_buffers(state: _CallState) -> None:
+    """Refuse to write a grad_input buffer that changed since forward (before any write).
+
+    Something else wrote it in between: another op's backward given the same buffer, or
+    an in-place write. Writing this call's gradient there would corrupt what that write
+    produced (a gradient already handed to autograd, a ``.grad``).
+    """
+    for index, buffer, version in state.grad_buffers:
+        if buffer._version != version:
+            raise RuntimeError(
+                f"{state.fuser.label(index)}: its grad_input buffer was written after this call's forward "
+                "(by another op's backward given the same buffer, or in place); writing this gradient "
+                "there would corrupt the earlier result. Give each op of a step its own grad_input "
+                "buffer, or run each backward before the next forward that uses the buffer"
+            )
+
+
+def _adopted_as_grad(input_: torch.Tensor | None, buffer: torch.Tensor | None) -> bool:
+    """Whether an earlier backward left (a view of) ``buffer`` as the ``.grad`` of the input.
+
+    Autograd keeps a leaf's first gradient without copying it, so after one backward with
+    a grad_input buffer, ``x.grad`` *is* the buffer; writing the next gradient there and
+    then accumulating would double it.
+    """
+    if input_ is None or buffer is None:
+        return False
+    for owner in (input_, input_._base):
+        if owner is None or not (owner.is_leaf or owner.retains_grad):
+            continue
+        if owner.grad is not None and tensors_overlap(owner.grad, buffer):
+            return True
+    return False
+
+
 def _split_params(state: _CallState, flat: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
     result, start = [], 0
     for index, names in enumerate(state.param_names):
@@ -263,6 +302,7 @@ class _FuserFunction(torch.autograd.Function):
             ctx.params_require_grad = params_require_grad
             ctx.params = params
             ctx.param_requires_grad = state.param_requires_grad[len(ctxs)]
+            ctx.grad_input_buffer = state.kwargs[len(ctxs)].get(GRAD_INPUT_BUFFER_KEY)
             ctxs.append(ctx)
 
         x, extra_outputs = _run_forward(state.plan, ctxs, input_, extra_inputs, state.kwargs)
@@ -282,6 +322,9 @@ class _FuserFunction(torch.autograd.Function):
             func_ctx.layout = layout
             func_ctx.ctxs = ctxs
             func_ctx.state = state
+            if state.grad_buffers and state.grad_buffers[0][0] == 0:
+                # a weak reference: backward only asks whether its .grad is the buffer
+                func_ctx.input_ref = weakref.ref(input_)
 
         flat_extra_outputs = [_owned(t, input_) for outs in extra_outputs for t in outs]
         if flat_extra_outputs:
@@ -297,6 +340,7 @@ class _FuserFunction(torch.autograd.Function):
         params = _split_params(state, saved[:num_params])
         if not torch.compiler.is_compiling():
             _check_unfrozen(state, params)
+            _check_grad_buffers(state)
         position = num_params
         ctxs = []
         for index, (fwd_ctx, (num_positional, names)) in enumerate(zip(func_ctx.ctxs, func_ctx.layout)):
@@ -305,6 +349,11 @@ class _FuserFunction(torch.autograd.Function):
             named = {name: saved[position + k] for k, name in enumerate(names)}
             position += len(names)
             ctxs.append(fwd_ctx.for_backward(positional, named, params[index]))
+        input_ref = getattr(func_ctx, "input_ref", None)
+        if input_ref is not None and _adopted_as_grad(input_ref(), ctxs[0].grad_input_buffer):
+            # x.grad is the buffer: the gradient goes to fresh memory and autograd adds it
+            # to x.grad (the buffer), so the buffer ends up holding the accumulated gradient
+            ctxs[0].grad_input_buffer = None
 
         ops = state.fuser.ops
         grad_extra_outputs, start = [], 0
@@ -348,13 +397,82 @@ class OperationFuser:
     known equal, training mode and the rule registry.
     """
 
-    def __init__(self, ops: Sequence[BasicOperation], *, honour_hooks: bool = True) -> None:
+    def __init__(
+        self, ops: Sequence[BasicOperation], *, honour_hooks: bool = True, first_index: int | None = None
+    ) -> None:
         self.ops = list(ops)
         #: False for an op's own ``forward`` (its hooks already ran in ``nn.Module.__call__``)
         self.honour_hooks = honour_hooks
+        #: position of ``ops[0]`` in the enclosing Sequential (None: not in one), for messages
+        self.first_index = first_index
         self._plans: OrderedDict[tuple, FusionPlan] = OrderedDict()
         self._segments: dict[tuple[bool, ...], list] = {}
-        self.last_plan: FusionPlan | None = None
+        self._thread_plans: threading.local | None = None
+        self._traced_plan: FusionPlan | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_thread_plans"] = None
+        return state
+
+    @property
+    def last_plan(self) -> FusionPlan | None:
+        """The plan of this thread's most recent call (what actually ran)."""
+        local = self._thread_plans
+        plan = getattr(local, "plan", None) if local is not None else None
+        return plan if plan is not None else self._traced_plan
+
+    def _record_plan(self, plan: FusionPlan) -> None:
+        if torch.compiler.is_compiling():
+            # a traced call: thread-local storage cannot be traced
+            self._traced_plan = plan
+            return
+        if self._thread_plans is None:
+            self._thread_plans = threading.local()
+        self._thread_plans.plan = plan
+
+    def label(self, index: int) -> str:
+        """``"op 2 (GroupedLinear)"``: ``ops[index]`` by its position in the Sequential."""
+        return f"op {(self.first_index or 0) + index} ({self.ops[index].op_name()})"
+
+    def _located(self, error: Exception, index: int, meta: TensorMeta) -> Exception:
+        """``error`` from ``ops[index]``'s checks, with where the op sits and, for a width
+        mismatch after a gated activation, what the width should have been."""
+        if type(error) not in (ValueError, TypeError):
+            return error
+        notes = []
+        if self.first_index is not None:
+            notes.append(f"op {self.first_index + index} of the Sequential")
+        previous = self.ops[index - 1] if index else None
+        spec = getattr(previous, "spec", None)
+        in_features = getattr(self.ops[index], "in_features", None)
+        if (
+            spec is not None
+            and getattr(spec, "gated", False)
+            and meta.shape
+            and in_features == 2 * meta.shape[-1]
+        ):
+            notes.append(
+                f"{self.label(index - 1)} is a gated activation and halves the width, so the op "
+                f"before it must produce {2 * in_features} columns, not {in_features}"
+            )
+        return type(error)(f"{error} ({'; '.join(notes)})") if notes else error
+
+    def _preflight_ops(
+        self, meta: TensorMeta, extra_inputs: list[tuple], kwargs: list[dict], guard: list[torch.Tensor]
+    ) -> TensorMeta:
+        """Each op's checks in order; returns the output meta. Also refuses buffers that
+        overlap each other (the Sequential checks the whole call, see check_call_buffers)."""
+        for index, (op, op_extra, op_kwargs) in enumerate(zip(self.ops, extra_inputs, kwargs)):
+            try:
+                op.check_kwargs(op_kwargs)
+                next_meta = op.preflight(meta, op_extra, op_kwargs, guard=guard)
+            except (ValueError, TypeError) as error:
+                raise self._located(error, index, meta) from None
+            meta = next_meta
+        positions = [(self.first_index or 0) + i for i in range(len(self.ops))]
+        check_call_buffers(call_buffers(self.ops, kwargs, positions), ())
+        return meta
 
     # ------------------------------------------------------------ planning
     def _param_dicts(self, *, for_kernels: bool = True) -> list[dict[str, torch.Tensor | None]]:
@@ -486,8 +604,6 @@ class OperationFuser:
             raise TypeError(
                 f"{self.ops[0].op_name()}: input must be a torch.Tensor, got {type(input_).__name__}"
             )
-        for op, op_kwargs in zip(self.ops, kwargs):
-            op.check_kwargs(op_kwargs)
         _check_dense(self.ops[0].op_name(), "input", input_)
         for op, op_extra in zip(self.ops, extra_inputs):
             for value in op_extra:
@@ -497,9 +613,26 @@ class OperationFuser:
         guard.extend(t for op_extra in extra_inputs for t in op_extra if isinstance(t, torch.Tensor))
         guard.extend(p for op_params in params for p in op_params)
         meta = TensorMeta(tuple(input_.shape), input_.dtype, input_.device)
-        for op, op_extra, op_kwargs in zip(self.ops, extra_inputs, kwargs):
-            meta = op.preflight(meta, op_extra, op_kwargs, guard=guard)
-        return meta
+        return self._preflight_ops(meta, extra_inputs, kwargs, guard)
+
+    def _check_not_inference(
+        self, input_: torch.Tensor, extra_inputs: list[tuple], params: list[list]
+    ) -> None:
+        """A call that computes gradients cannot use tensors made under ``inference_mode``
+        (autograd refuses to save them, after forward has written its buffers)."""
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return
+        candidates = [("input", 0, input_)]
+        for index, (op_extra, op_params) in enumerate(zip(extra_inputs, params)):
+            candidates.extend(("extra input", index, t) for t in op_extra if isinstance(t, torch.Tensor))
+            candidates.extend(("parameter", index, t) for t in op_params)
+        for what, index, tensor in candidates:
+            if tensor.is_inference():
+                raise ValueError(
+                    f"{self.label(index)}: {what} (shape {tuple(tensor.shape)}) was created under "
+                    "torch.inference_mode and cannot be used in a call that computes gradients; "
+                    "clone it outside inference mode, or run the call under torch.no_grad()"
+                )
 
     def explain(
         self,
@@ -520,11 +653,7 @@ class OperationFuser:
         # parameters may be sharded DTensors here (FSDP reshards between calls): only
         # their dtype, device and type matter for the plan
         params = self._params(for_kernels=False)
-        for op, op_kwargs in zip(self.ops, kwargs):
-            op.check_kwargs(op_kwargs)
-        meta = input_meta
-        for op, op_extra, op_kwargs in zip(self.ops, per_op_extra, kwargs):
-            meta = op.preflight(meta, op_extra, op_kwargs, guard=list(guard))
+        meta = self._preflight_ops(input_meta, per_op_extra, kwargs, list(guard))
         grad_flags = self._grad_flags(input_requires_grad, per_op_extra, params)
         return self.plan(input_meta, per_op_extra, kwargs, grad_flags, params), meta
 
@@ -532,7 +661,9 @@ class OperationFuser:
         segments = self._segments_for(hooked)
         plans = []
         for indices, fuser in segments:
-            sub = fuser or OperationFuser([self.ops[indices[0]]], honour_hooks=False)
+            sub = fuser or OperationFuser(
+                [self.ops[indices[0]]], honour_hooks=False, first_index=self._index_of(indices[0])
+            )
             flat_extra = [t for i in indices for t in extra_inputs[i]]
             plan, meta = sub.explain(
                 meta, input_requires_grad, flat_extra, [kwargs[i] for i in indices], guard
@@ -562,12 +693,13 @@ class OperationFuser:
         grad_flags = self._grad_flags(input_.requires_grad, per_op_extra, params)
         meta = TensorMeta(tuple(input_.shape), input_.dtype, input_.device)
         plan = self.plan(meta, per_op_extra, kwargs, grad_flags, params)
-        self.last_plan = plan
+        self._record_plan(plan)
         flat_extra = [t for op_extra in per_op_extra for t in op_extra]
         flat_params = [p for op_params in params for p in op_params]
         if not any(flag[0] for flag in grad_flags):
             # nothing needs a gradient: no autograd Function, the plan runs directly
             return self._run_inference(plan, input_, per_op_extra, kwargs, param_dicts)
+        self._check_not_inference(input_, per_op_extra, params)
         unique_args, slots = _dedupe(flat_extra + flat_params)
         state = _CallState(
             fuser=self,
@@ -582,6 +714,13 @@ class OperationFuser:
             ctx_flags=grad_flags,
             slots=slots,
             num_args=len(unique_args),
+            grad_buffers=[]
+            if torch.compiler.is_compiling()
+            else [
+                (i, k[GRAD_INPUT_BUFFER_KEY], k[GRAD_INPUT_BUFFER_KEY]._version)
+                for i, k in enumerate(kwargs)
+                if isinstance(k.get(GRAD_INPUT_BUFFER_KEY), torch.Tensor)
+            ],
         )
         return _FuserFunction.apply(input_, state, *unique_args)
 
@@ -629,7 +768,7 @@ class OperationFuser:
                 x = result
         plans = [None if fuser is None else fuser.last_plan for _, fuser in segments]
         dtype = compute_dtype(input_.dtype, input_.device)
-        self.last_plan = self._segmented_plan(segments, hooked, plans, input_.device, dtype)
+        self._record_plan(self._segmented_plan(segments, hooked, plans, input_.device, dtype))
         return (x, *extra_outputs) if extra_outputs else x
 
     def _segments_for(self, hooked: list[str | None]) -> list[tuple[list[int], OperationFuser | None]]:
@@ -643,13 +782,19 @@ class OperationFuser:
                     run.append(i)
                     continue
                 if run:
-                    segments.append((run, OperationFuser([self.ops[j] for j in run])))
+                    segments.append((run, self._sub_fuser(run)))
                     run = []
                 segments.append(([i], None))
             if run:
-                segments.append((run, OperationFuser([self.ops[j] for j in run])))
+                segments.append((run, self._sub_fuser(run)))
             self._segments[key] = segments
         return segments
+
+    def _index_of(self, index: int) -> int | None:
+        return None if self.first_index is None else self.first_index + index
+
+    def _sub_fuser(self, indices: list[int]) -> OperationFuser:
+        return OperationFuser([self.ops[j] for j in indices], first_index=self._index_of(indices[0]))
 
     def _segmented_plan(
         self,

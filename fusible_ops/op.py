@@ -37,6 +37,10 @@ class OperationContext:
     to the autograd context, so saved-tensor hooks see every one of them. After
     forward they are available as ``saved_tensors`` (positional) and ``saved``
     (named). Backward receives a fresh context carrying a copy of what forward set.
+    ``grad_input_buffer``: the caller's ``grad_input`` buffer for this op (or None),
+    set by the fuser; backward writes the input gradient there. It is a destination,
+    not saved state: it stays the caller's memory even when saved-tensor hooks offload
+    what is saved, and the fuser clears it in backward when writing there would be wrong.
     """
 
     def __init__(self) -> None:
@@ -45,6 +49,7 @@ class OperationContext:
         self.params_require_grad = False
         self.params: dict[str, torch.Tensor | None] = {}
         self.param_requires_grad: dict[str, bool] = {}
+        self.grad_input_buffer: torch.Tensor | None = None
         self.to_save: tuple[torch.Tensor | None, ...] = ()
         self.to_save_named: dict[str, torch.Tensor | None] = {}
         self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
@@ -121,6 +126,8 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
     num_extra_outputs: int = 0
     #: kwargs this op accepts through ``op_kwargs``; anything else is a TypeError
     accepted_kwargs: frozenset[str] = frozenset()
+    #: which of ``accepted_kwargs`` are caller buffers (checked for overlap per call)
+    buffer_kwargs: frozenset[str] = frozenset()
     #: names of the parameter attributes forward reads, in the order ``op_backward``
     #: returns their gradients; None: the op's own parameters in registration order
     param_names: tuple[str, ...] | None = None

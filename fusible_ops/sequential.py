@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .buffers import call_buffers, check_call_buffers
 from .fuser import OperationFuser
 from .op import BasicOperation, TensorMeta
 from .plan import FusionPlan, SequentialPlan
@@ -28,9 +29,6 @@ class Sequential(torch.nn.Module):
             self.append(module)
 
     # ------------------------------------------------------------ container protocol
-    def _invalidate(self) -> None:
-        self.__dict__["_groups"] = None
-
     def _module_list(self) -> list[torch.nn.Module]:
         return list(self._modules.values())
 
@@ -38,13 +36,11 @@ class Sequential(torch.nn.Module):
         self._modules.clear()
         for i, module in enumerate(modules):
             self._modules[str(i)] = module
-        self._invalidate()
 
     def append(self, module: torch.nn.Module) -> Sequential:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Sequential: {type(module).__name__} is not an nn.Module")
         self._modules[str(len(self._modules))] = module
-        self._invalidate()
         return self
 
     def extend(self, modules: Iterable[torch.nn.Module]) -> Sequential:
@@ -99,24 +95,31 @@ class Sequential(torch.nn.Module):
 
     # ------------------------------------------------------------ groups
     def _get_groups(self) -> list[tuple[list[int], OperationFuser | None]]:
-        """``[(indices, fuser or None for a plain module)]``, rebuilt after any change."""
-        groups = self.__dict__.get("_groups")
-        if groups is not None:
-            return groups
+        """``[(indices, fuser or None for a plain module)]`` for the current module list.
+
+        Cached under the identity of every module, so any change to the list (``seq[i] =``,
+        ``setattr(seq, "2", op)``, ``add_module``, ``del``, writing ``_modules``) takes
+        effect on the next call, however it was made.
+        """
+        modules = tuple(self._modules.values())
+        cached = self.__dict__.get("_groups")
+        if cached is not None:
+            known, groups = cached
+            if len(known) == len(modules) and all(a is b for a, b in zip(known, modules)):
+                return groups
         groups = []
         run: list[int] = []
-        modules = self._module_list()
         for i, module in enumerate(modules):
             if isinstance(module, BasicOperation):
                 run.append(i)
                 continue
             if run:
-                groups.append((run, OperationFuser([modules[j] for j in run])))
+                groups.append((run, OperationFuser([modules[j] for j in run], first_index=run[0])))
                 run = []
             groups.append(([i], None))
         if run:
-            groups.append((run, OperationFuser([modules[j] for j in run])))
-        self.__dict__["_groups"] = groups
+            groups.append((run, OperationFuser([modules[j] for j in run], first_index=run[0])))
+        self.__dict__["_groups"] = (modules, groups)
         return groups
 
     def __getstate__(self) -> dict[str, Any]:
@@ -198,10 +201,28 @@ class Sequential(torch.nn.Module):
             start += count
         return result
 
+    def _check_buffers(
+        self, input: torch.Tensor, extra_inputs: tuple[Any, ...], kwargs_by_index: dict[int, dict[str, Any]]
+    ) -> None:
+        """Once per call, for the whole Sequential: no caller buffer overlaps another buffer
+        of the call, the input, an extra input, or any parameter or module buffer."""
+        if not kwargs_by_index:
+            return
+        modules = self._module_list()
+        indices = sorted(kwargs_by_index)
+        buffers = call_buffers(
+            [modules[i] for i in indices],
+            [kwargs_by_index[i] for i in indices],
+            indices,
+        )
+        if buffers:
+            check_call_buffers(buffers, [input, *extra_inputs, *self.parameters(), *self.buffers()])
+
     # ------------------------------------------------------------ running
     def forward(self, input: torch.Tensor, *extra_inputs: Any, op_kwargs: Mapping[Any, Any] | None = None):
         kwargs_by_index = self._resolve_op_kwargs(op_kwargs)
         per_group_extra = self._split_extra_inputs(extra_inputs)
+        self._check_buffers(input, extra_inputs, kwargs_by_index)
         x = input
         extra_outputs: list[torch.Tensor] = []
         for (indices, fuser), group_extra in zip(self._get_groups(), per_group_extra):
@@ -242,6 +263,7 @@ class Sequential(torch.nn.Module):
         """
         kwargs_by_index = self._resolve_op_kwargs(op_kwargs)
         per_group_extra = self._split_extra_inputs(extra_inputs)
+        self._check_buffers(input, extra_inputs, kwargs_by_index)
         meta = TensorMeta(tuple(input.shape), input.dtype, input.device)
         guard = [input, *(t for t in extra_inputs if isinstance(t, torch.Tensor)), *self.parameters()]
         upstream_grad = input.requires_grad

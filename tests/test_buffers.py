@@ -257,3 +257,211 @@ def test_validate_or_alloc_output_directly():
         )
     # adjacent but disjoint memory is fine
     fo.validate_or_alloc_output(other[2:].view(2, 4), (2, 4), torch.float32, "cpu", no_overlap=[other[:2]])
+
+
+# ---------------------------------------------------------------- aliasing across a whole call (issue 11)
+
+
+def assert_refused_untouched(seq, call, buffers, message, *, explain=None, error=ValueError):
+    """``call()`` raises ``error`` matching ``message``; buffers and parameters are unchanged."""
+    params_before = [p.detach().clone() for p in seq.parameters()]
+    buffers_before = [b.clone() for b in buffers]
+    with pytest.raises(error, match=message):
+        call()
+    if explain is not None:
+        with pytest.raises(error, match=message):
+            explain()
+    for buffer, before in zip(buffers, buffers_before):
+        assert torch.equal(buffer, before), "a failed call wrote a buffer"
+    for p, before in zip(seq.parameters(), params_before):
+        assert torch.equal(p.detach(), before), "a failed call changed a parameter"
+        assert p.grad is None
+
+
+def square_block() -> fo.Sequential:
+    """Two GroupedLinear ops whose outputs and input gradients all have the same shape."""
+    return fo.Sequential(fo.GroupedLinear(EXPERTS, HIDDEN, HIDDEN), fo.GroupedLinear(EXPERTS, HIDDEN, HIDDEN))
+
+
+SHARED_BUFFER_CASES = {
+    "same_output_twice": lambda buf: {
+        0: {fo.OUTPUT_BUFFER_KEY: buf[:ROWS]},
+        1: {fo.OUTPUT_BUFFER_KEY: buf[:ROWS]},
+    },
+    "same_grad_input_twice": lambda buf: {
+        0: {fo.GRAD_INPUT_BUFFER_KEY: buf[:ROWS]},
+        1: {fo.GRAD_INPUT_BUFFER_KEY: buf[:ROWS]},
+    },
+    "output_is_other_grad_input": lambda buf: {
+        0: {fo.GRAD_INPUT_BUFFER_KEY: buf[:ROWS]},
+        1: {fo.OUTPUT_BUFFER_KEY: buf[:ROWS]},
+    },
+    "one_op_output_and_grad_input": lambda buf: {
+        1: {fo.OUTPUT_BUFFER_KEY: buf[:ROWS], fo.GRAD_INPUT_BUFFER_KEY: buf[:ROWS]}
+    },
+    "partial_overlap": lambda buf: {
+        0: {fo.OUTPUT_BUFFER_KEY: buf[:ROWS]},
+        1: {fo.OUTPUT_BUFFER_KEY: buf[10 : 10 + ROWS]},
+    },
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(SHARED_BUFFER_CASES))
+def test_one_memory_given_as_two_buffers_is_refused(case, mode):
+    seq = square_block()
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    buf = sentinel(2 * ROWS, HIDDEN)
+    op_kwargs = SHARED_BUFFER_CASES[case](buf)
+    with fusion(mode):
+        assert_refused_untouched(
+            seq,
+            lambda: seq(x, SPLITS, SPLITS, op_kwargs=op_kwargs),
+            [buf],
+            r"GroupedLinear: buffer '\w+' \(op \d\) overlaps GroupedLinear: buffer '\w+' \(op \d\)",
+            explain=lambda: seq.explain(x, SPLITS, SPLITS, op_kwargs=op_kwargs),
+        )
+        assert x.grad is None
+        # the same objects work with separate buffers, and match the unbuffered call
+        expected = seq(x, SPLITS, SPLITS)
+        out_buf, grad_buf = torch.empty(ROWS, HIDDEN), torch.empty(ROWS, HIDDEN)
+        got = seq(
+            x,
+            SPLITS,
+            SPLITS,
+            op_kwargs={1: {fo.OUTPUT_BUFFER_KEY: out_buf}, 0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}},
+        )
+        assert torch.equal(got, expected) and got.data_ptr() == out_buf.data_ptr()
+
+
+def test_lone_op_given_one_tensor_as_output_and_grad_input_is_refused():
+    op = fo.GroupedLinear(EXPERTS, HIDDEN, HIDDEN)
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    buf = sentinel(ROWS, HIDDEN)
+    with pytest.raises(
+        ValueError, match=r"buffer 'grad_input' \(op 0\) overlaps GroupedLinear: buffer 'output'"
+    ):
+        op(x, SPLITS, output=buf, grad_input=buf)
+    assert torch.all(buf == SENTINEL)
+
+
+def cross_group_block() -> fo.Sequential:
+    """Two fuser groups separated by a plain module."""
+    return fo.Sequential(
+        fo.GroupedLinear(EXPERTS, HIDDEN, HIDDEN), torch.nn.Tanh(), fo.GroupedLinear(EXPERTS, HIDDEN, HIDDEN)
+    )
+
+
+CROSS_GROUP_CASES = {
+    # the buffer of op 2 overlaps something only the first group (or the caller) sees
+    "output_over_first_group_weight": lambda seq, x: {
+        2: {fo.OUTPUT_BUFFER_KEY: seq[0].weight.detach().view(-1)[: ROWS * HIDDEN].view(ROWS, HIDDEN)}
+    },
+    "grad_input_over_sequential_input": lambda seq, x: {2: {fo.GRAD_INPUT_BUFFER_KEY: x.detach()}},
+    "output_over_sequential_input": lambda seq, x: {2: {fo.OUTPUT_BUFFER_KEY: x.detach()}},
+}
+
+
+@pytest.mark.parametrize("case", list(CROSS_GROUP_CASES))
+def test_buffer_overlapping_another_groups_tensors_is_refused(case):
+    seq = cross_group_block()
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    op_kwargs = CROSS_GROUP_CASES[case](seq, x)
+    x_before = x.detach().clone()
+    assert_refused_untouched(
+        seq,
+        lambda: seq(x, SPLITS, SPLITS, op_kwargs=op_kwargs),
+        [],
+        r"GroupedLinear: buffer '\w+' \(op 2\) overlaps the memory of an input, extra input, parameter",
+        explain=lambda: seq.explain(x, SPLITS, SPLITS, op_kwargs=op_kwargs),
+    )
+    assert torch.equal(x.detach(), x_before)
+    seq(x, SPLITS, SPLITS, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: torch.empty(ROWS, HIDDEN)}}).sum().backward()
+
+
+def test_direct_calls_sharing_a_grad_input_buffer_never_corrupt_gradients():
+    op1, op2 = fo.GroupedLinear(EXPERTS, HIDDEN, 3), fo.GroupedLinear(EXPERTS, HIDDEN, 3)
+    x1 = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    x2 = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    shared = sentinel(ROWS, HIDDEN)
+    y1 = op1(x1, SPLITS, grad_input=shared)
+    y2 = op2(x2, SPLITS, grad_input=shared)
+    y2.sum().backward()  # writes `shared`, which autograd keeps as x2.grad
+    x2_grad = x2.grad.clone()
+    with pytest.raises(
+        RuntimeError, match=r"op 0 \(GroupedLinear\): its grad_input buffer was written after"
+    ):
+        y1.sum().backward()  # would overwrite x2.grad
+    assert torch.equal(x2.grad, x2_grad) and x1.grad is None
+    # one backward over both: whichever runs second refuses, nothing wrong is left behind
+    x1.grad = x2.grad = None
+    op1.zero_grad(), op2.zero_grad()
+    y1 = op1(x1, SPLITS, grad_input=shared)
+    y2 = op2(x2, SPLITS, grad_input=shared)
+    with pytest.raises(RuntimeError, match="grad_input buffer was written after"):
+        (y1.sum() + y2.sum()).backward()
+    # separate buffers: both gradients right
+    b1, b2 = torch.empty(ROWS, HIDDEN), torch.empty(ROWS, HIDDEN)
+    x1.grad = x2.grad = None
+    (op1(x1, SPLITS, grad_input=b1).sum() + op2(x2, SPLITS, grad_input=b2).sum()).backward()
+    for op, x in ((op1, x1), (op2, x2)):
+        ref_x = x.detach().double().requires_grad_()
+        rows = torch.split(ref_x, SPLITS)
+        ref = torch.cat([r @ w.double().T for r, w in zip(rows, op.weight.detach())])
+        ref.sum().backward()
+        torch.testing.assert_close(x.grad.double(), ref_x.grad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grad_input_buffer_adopted_as_leaf_grad_accumulates_correctly(mode):
+    """After one backward, autograd keeps the buffer as x.grad; more backwards must add to it."""
+    seq = expert_block()
+    x, probs = inputs()
+    grad_buf = sentinel(ROWS, HIDDEN)
+    with fusion(mode):
+        seq(x, SPLITS, probs, SPLITS).sum().backward()
+        one = x.grad.clone()
+        x.grad = None
+        for step in range(1, 4):
+            seq(
+                x, SPLITS, probs, SPLITS, op_kwargs={0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}}
+            ).sum().backward()
+            torch.testing.assert_close(x.grad, step * one)
+        assert x.grad.data_ptr() == grad_buf.data_ptr()  # it really is the buffer
+        # zeroing in place (zero_grad(set_to_none=False)) between steps: one gradient again
+        x.grad.zero_()
+        seq(x, SPLITS, probs, SPLITS, op_kwargs={0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}}).sum().backward()
+        torch.testing.assert_close(x.grad, one)
+        # a leaf viewed before the call: its .grad is adopted through the view's backward
+        base = x.detach().clone().requires_grad_()
+        for step in range(1, 3):
+            view = base.view(ROWS, HIDDEN)
+            seq(
+                view, SPLITS, probs, SPLITS, op_kwargs={0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}}
+            ).sum().backward()
+            torch.testing.assert_close(base.grad, step * one)
+
+
+def test_buffer_made_under_inference_mode_is_refused_for_training():
+    seq = expert_block()
+    x, probs = inputs()
+    with torch.inference_mode():
+        out_buf = torch.full((ROWS, HIDDEN), SENTINEL)
+        x_inference = x.detach().clone()
+    assert_refused_untouched(
+        seq,
+        lambda: seq(x, SPLITS, probs, SPLITS, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: out_buf}}),
+        [out_buf],
+        r"GroupedLinear: buffer 'output' was created under torch.inference_mode",
+    )
+    assert_refused_untouched(
+        seq,
+        lambda: seq(x_inference, SPLITS, probs, SPLITS),
+        [],
+        r"op 0 \(GroupedLinear\): input .* was created under torch.inference_mode .* torch.no_grad\(\)",
+    )
+    # inside inference_mode the same buffer and input are fine
+    with torch.inference_mode():
+        out = seq(x_inference, SPLITS, probs.detach(), SPLITS, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: out_buf}})
+    assert out.data_ptr() == out_buf.data_ptr()
+    torch.testing.assert_close(out_buf, seq(x, SPLITS, probs, SPLITS).detach())

@@ -375,3 +375,35 @@ def test_loads_accept_other_float_dtypes_and_cast(public):
         moe, [g.float() for g in public["gate"]], public["down"], [u.half() for u in public["up"]]
     )
     torch.testing.assert_close(moe.experts[0].weight[0].detach()[:F], public["gate"][0].float().double())
+
+
+_WRONG_TARGETS = {
+    "linear": lambda: torch.nn.Linear(8, 8),
+    "grouped_linear": lambda: fo.GroupedLinear(4, 8, 12),
+    "short_sequential": lambda: fo.Sequential(fo.GroupedLinear(4, 8, 12)),
+    "dense_fc2": lambda: fo.Sequential(fo.GroupedLinear(4, 8, 12), fo.ScaledSwiGLU(), fo.BasicLinear(6, 8)),
+    "torch_sequential": lambda: torch.nn.Sequential(
+        torch.nn.Linear(8, 12), torch.nn.SiLU(), torch.nn.Linear(12, 8)
+    ),
+}
+_HELPERS = {
+    "load_stacked": lambda t: load_stacked(t, torch.zeros(4, 12, 8), torch.zeros(4, 8, 6)),
+    "load_per_expert": lambda t: load_per_expert(t, [torch.zeros(6, 8)] * 4, [torch.zeros(8, 6)] * 4),
+    "load_grouped_keys": lambda t: load_grouped_keys(t, {}),
+    "export_stacked": export_stacked,
+    "export_per_expert": export_per_expert,
+    "export_grouped_keys": export_grouped_keys,
+    "expert_range": expert_range,
+}
+
+
+@pytest.mark.parametrize("helper", list(_HELPERS))
+@pytest.mark.parametrize("target", list(_WRONG_TARGETS))
+def test_helpers_refuse_a_module_of_the_wrong_kind(helper, target):
+    module = _WRONG_TARGETS[target]()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(
+        TypeError, match=r"checkpoint: target must be an fo.MoE or its experts Sequential .* got a \w+"
+    ):
+        _HELPERS[helper](module)
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))

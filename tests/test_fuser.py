@@ -491,3 +491,37 @@ def test_explain_computes_nothing_and_matches_the_call():
     assert str(seq.last_plan) == str(plan)
     with pytest.raises(ValueError, match="expected 3 extra input"):
         seq.explain(x, SPLITS, probs)
+
+
+# ---------------------------------------------------------------- last_plan per thread (issue 11 item 8)
+
+
+def test_last_plan_is_the_plan_of_this_threads_call():
+    import threading
+
+    seq = expert_block()
+    barrier = threading.Barrier(2)
+    seen: dict[str, bool] = {}
+    errors: list[BaseException] = []
+
+    def worker(name: str, fusion: bool) -> None:
+        try:
+            x, probs = block_inputs()
+            for _ in range(20):
+                with fo.settings(fusion=fusion):
+                    seq(x, SPLITS, probs, SPLITS)
+                barrier.wait()  # the other thread has made its call too
+                seen[name] = seq.last_plan.fusion_plans[0].fusion_enabled
+                assert seen[name] is fusion, f"thread {name!r} read the other thread's plan"
+                barrier.wait()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(n, f)) for n, f in (("on", True), ("off", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert seen == {"on": True, "off": False}

@@ -256,3 +256,94 @@ def test_linear_composite_matches_torch_linear():
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
     assert set(lin.state_dict()) == {"0.weight", "1.bias"}
     assert torch.autograd.gradcheck(lin, (x,))
+
+
+# ---------------------------------------------------------------- module surgery (issue 11 item 2)
+
+
+def _replace_by_setattr(seq, op):
+    setattr(seq, "2", op)
+
+
+def _replace_by_add_module(seq, op):
+    seq.add_module("2", op)
+
+
+def _replace_in_modules_dict(seq, op):
+    seq._modules["2"] = op
+
+
+def _replace_by_del_and_append(seq, op):
+    del seq[2]
+    seq.append(op)
+
+
+def _replace_by_setitem(seq, op):
+    seq[-1] = op
+
+
+SURGERY = [
+    _replace_by_setattr,
+    _replace_by_add_module,
+    _replace_in_modules_dict,
+    _replace_by_del_and_append,
+    _replace_by_setitem,
+]
+
+
+@pytest.mark.parametrize("surgery", SURGERY, ids=lambda f: f.__name__.removeprefix("_replace_"))
+def test_module_surgery_takes_effect_on_the_next_call(surgery):
+    seq = expert_block()
+    x, probs = block_inputs()
+    seq(x, SPLITS, probs, SPLITS)  # builds and caches the groups
+    new_fc2 = fo.GroupedLinear(EXPERTS, FFN, HIDDEN)
+    surgery(seq, new_fc2)
+    assert seq[2] is new_fc2
+    y = seq(x, SPLITS, probs, SPLITS)
+    expected, _ = reference(seq, x, probs)
+    torch.testing.assert_close(y.double(), expected)
+    y.sum().backward()
+    assert new_fc2.weight.grad is not None
+    assert seq.explain(x, SPLITS, probs, SPLITS).fusion_plans[0].forward[0].op.basic_ops[2] is new_fc2
+
+
+def test_module_surgery_to_a_plain_module_regroups():
+    seq = fo.Sequential(fo.GroupedLinear(EXPERTS, HIDDEN, HIDDEN), fo.GroupedLinear(EXPERTS, HIDDEN, HIDDEN))
+    x = torch.randn(ROWS, HIDDEN)
+    seq(x, SPLITS, SPLITS)
+    setattr(seq, "1", torch.nn.Tanh())
+    with pytest.raises(ValueError, match="expected 1 extra input"):
+        seq(x, SPLITS, SPLITS)
+    torch.testing.assert_close(seq(x, SPLITS), torch.tanh(seq[0](x, SPLITS)))
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_takes_effect_on_the_next_call(assign):
+    seq, source = expert_block(), expert_block()
+    x, probs = block_inputs()
+    seq(x, SPLITS, probs, SPLITS)
+    seq.load_state_dict(source.state_dict(), assign=assign)
+    torch.testing.assert_close(seq(x, SPLITS, probs, SPLITS), source(x, SPLITS, probs, SPLITS))
+
+
+# ---------------------------------------------------------------- errors name the op index
+
+
+def test_gated_width_mismatch_names_the_op_index_and_the_fix():
+    seq = fo.Sequential(
+        fo.GroupedLinear(EXPERTS, HIDDEN, FFN), fo.ScaledSwiGLU(), fo.GroupedLinear(EXPERTS, FFN, HIDDEN)
+    )
+    x, probs = block_inputs()
+    message = (
+        rf"GroupedLinear: input has shape \[16, 3\]; expected \[\.\.\., {FFN}\] \(op 2 of the Sequential; "
+        rf"op 1 \(ScaledSwiGLU\) is a gated activation and halves the width, so the op before it must "
+        rf"produce {2 * FFN} columns, not {FFN}\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        seq(x, SPLITS, probs, SPLITS)
+    with pytest.raises(ValueError, match=message):
+        seq.explain(x, SPLITS, probs, SPLITS)
+    # a plain module in front shifts the indices: they stay those of the Sequential
+    shifted = fo.Sequential(torch.nn.Identity(), *list(seq))
+    with pytest.raises(ValueError, match=r"op 3 of the Sequential; op 2 \(ScaledSwiGLU\)"):
+        shifted(x, SPLITS, probs, SPLITS)

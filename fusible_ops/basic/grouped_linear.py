@@ -53,6 +53,7 @@ class GroupedLinear(BasicOperation):
     num_extra_inputs = 1
     param_names = ("weight", "bias")
     accepted_kwargs = frozenset({OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY})
+    buffer_kwargs = accepted_kwargs
 
     def __init__(
         self,
@@ -137,7 +138,7 @@ class GroupedLinear(BasicOperation):
         input_: torch.Tensor,
         split_sizes: Any,
         output: torch.Tensor | None = None,
-        grad_input: torch.Tensor | None = None,
+        grad_input: torch.Tensor | None = None,  # reaches backward as ctx.grad_input_buffer
     ) -> torch.Tensor:
         dtype = compute_dtype(input_.dtype, input_.device)
         weight_param = ctx.params["weight"]
@@ -159,9 +160,6 @@ class GroupedLinear(BasicOperation):
             ctx.host_splits = splits.host
             ctx.input_shape = input_.shape
             ctx.compute_dtype = dtype
-            # The grad-input buffer is a destination, not saved state: it must stay the
-            # caller's own memory even when saved-tensor hooks offload what is saved.
-            ctx.grad_input_buffer = grad_input
         return y.view(out_shape)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):

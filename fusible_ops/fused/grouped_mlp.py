@@ -87,8 +87,6 @@ class GroupedMLP(FusedOperation):
             ctx1.compute_dtype = dtype
             ctx1.scales_shape = scales_in.shape
             ctx1.scales_requires_grad = scales_in.requires_grad
-            # a destination, not saved state (see GroupedLinear.op_forward)
-            ctx1.grad_input_buffer = basic_op_kwargs[0].get(GRAD_INPUT_BUFFER_KEY)
         extra_outputs = [()] * len(basic_op_ctxs)
         return y.view(out_shape), extra_outputs
 
