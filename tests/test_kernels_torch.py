@@ -432,6 +432,110 @@ def test_buffer_pool_reuses_only_unreferenced_storage():
     assert pool.kept_bytes() == 0
 
 
+_CPU = torch.device("cpu")
+
+
+def _escape_by_share_memory(t):
+    """What a torch.multiprocessing queue does: shared memory, mapped again by the receiver
+    (a separate mapping: no reference the pool could count)."""
+    t.share_memory_()
+    handle = t.untyped_storage()._share_filename_cpu_()
+    mapping = torch.UntypedStorage._new_shared_filename_cpu(*handle)
+    return torch.empty(0, dtype=t.dtype).set_(mapping, 0, t.shape, t.stride())
+
+
+def _escape_by_dlpack(t):
+    return torch.utils.dlpack.to_dlpack(t)
+
+
+def _escape_by_numpy(t):
+    return t.numpy()
+
+
+def _escape_by_resize(t):
+    t.untyped_storage().resize_(0)  # the storage no longer is the memory the pool handed out
+    return None
+
+
+def _read(holder) -> torch.Tensor:
+    if isinstance(holder, torch.Tensor):
+        return holder
+    if type(holder).__name__ == "PyCapsule":
+        return torch.utils.dlpack.from_dlpack(holder)
+    return torch.from_numpy(holder)
+
+
+@pytest.mark.parametrize(
+    "escape", [_escape_by_share_memory, _escape_by_dlpack, _escape_by_numpy, _escape_by_resize],
+    ids=lambda f: f.__name__.removeprefix("_escape_by_"),
+)  # fmt: skip
+def test_buffer_pool_never_reuses_storage_that_escaped(escape):
+    pool = CpuBufferPool(min_bytes=0)
+    first = pool.empty((64, 32), torch.float32, _CPU).fill_(3.0)
+    holder = escape(first)
+    view = None if holder is None else _read(holder)
+    del first
+    for _ in range(3):  # every later request: never the escaped memory
+        again = pool.empty((64, 32), torch.float32, _CPU)
+        assert again.shape == (64, 32)
+        again.fill_(-1.0)
+        if view is not None:
+            assert torch.all(view == 3.0), f"memory that escaped by {escape.__name__} was handed out again"
+
+
+def test_buffer_pool_reuses_storage_once_numpy_and_dlpack_references_are_gone():
+    pool = CpuBufferPool(min_bytes=0)
+    first = pool.empty((64, 32), torch.float32, _CPU)
+    ptr = first.data_ptr()
+    array, capsule = first.numpy(), torch.utils.dlpack.to_dlpack(first)
+    del first
+    assert pool.empty((64, 32), torch.float32, _CPU).data_ptr() != ptr
+    del array
+    assert pool.empty((64, 32), torch.float32, _CPU).data_ptr() != ptr  # the capsule still holds it
+    del capsule
+    assert pool.empty((64, 32), torch.float32, _CPU).data_ptr() == ptr
+
+
+def _receive_and_compare(queue, replies) -> None:
+    received = queue.get()
+    first = received.clone()
+    replies.put("received")
+    queue.get()  # the sender has made more calls meanwhile
+    replies.put(bool(torch.equal(received, first)))
+
+
+def test_output_sent_to_another_process_never_changes_under_it():
+    """A fused output put on a torch.multiprocessing queue, then more calls in the sender."""
+    import fusible_ops as fo
+
+    mp = torch.multiprocessing.get_context("spawn")
+    queue, replies = mp.Queue(), mp.Queue()
+    child = mp.Process(target=_receive_and_compare, args=(queue, replies))
+    child.start()
+    try:
+        experts, hidden, ffn, rows = 2, 512, 256, 600  # y and pre are 1.2 MB each: pooled
+        seq = fo.Sequential(
+            fo.GroupedLinear(experts, hidden, 2 * ffn),
+            fo.ScaledSwiGLU(),
+            fo.GroupedLinear(experts, ffn, hidden),
+        )
+        splits = [rows // 2, rows - rows // 2]
+        probs = torch.rand(rows)
+        with torch.no_grad():
+            y = seq(torch.randn(rows, hidden), splits, probs, splits)
+            queue.put(y)
+            del y
+            assert replies.get(timeout=120) == "received"
+            for _ in range(4):
+                seq(torch.randn(rows, hidden), splits, probs, splits)
+        queue.put("compare")
+        assert replies.get(timeout=120) is True, "the receiver's tensor changed"
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+
+
 def test_buffer_pool_respects_autograd_saved_tensors():
     pool = CpuBufferPool(min_bytes=0)
     buf = pool.empty((8, 8), torch.float32, torch.device("cpu")).fill_(2.0)

@@ -7,9 +7,13 @@ is page-faulted again on first write, 4 KiB at a time. For the grouped MLP's
 
 :class:`CpuBufferPool` keeps the storages it handed out and gives one back only when
 the C++ use count of that storage shows that no tensor, view, saved-for-backward
-tensor or NumPy array refers to it any more, so a caller can never see its data
-change under it. Each handed-out tensor is a fresh tensor object over the storage
-(not a view), so autograd's view tracking is not involved.
+tensor, NumPy array or DLPack capsule refers to it any more, and the storage is still
+the private memory it was: not moved to shared memory (``share_memory_()``, which is
+what sending a tensor through a ``torch.multiprocessing`` queue does; another process
+may map it with no reference here) and neither resized nor reallocated. Anything
+else is never handed out again, so a caller can never see its data change under it.
+Each handed-out tensor is a fresh tensor object over the storage (not a view), so
+autograd's view tracking is not involved.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ class CpuBufferPool:
     def __init__(self, *, min_bytes: int = 1 << 20, max_buffers: int = 16) -> None:
         self.min_bytes = min_bytes
         self.max_buffers = max_buffers
-        self._storages: OrderedDict[int, tuple[tuple[int, ...], torch.dtype, torch.UntypedStorage]] = (
-            OrderedDict()
-        )
+        #: id -> (shape, dtype, storage, (data pointer, bytes) when handed out)
+        self._storages: OrderedDict[
+            int, tuple[tuple[int, ...], torch.dtype, torch.UntypedStorage, tuple[int, int]]
+        ] = OrderedDict()
         self._next_id = 0
         self._lock = threading.Lock()
 
@@ -56,16 +61,23 @@ class CpuBufferPool:
         if device.type != "cpu" or nbytes < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
         with self._lock:
-            for key, (kept_shape, kept_dtype, storage) in self._storages.items():
+            self._drop_escaped()
+            for key, (kept_shape, kept_dtype, storage, _) in self._storages.items():
                 if kept_shape == shape and kept_dtype == dtype and _storage_use_count(storage) == 1:
                     self._storages.move_to_end(key)
                     return self._tensor_over(storage, shape, dtype)
             tensor = torch.empty(shape, dtype=dtype, device=device)
-            if _storage_use_count(tensor.untyped_storage()) is None:
+            storage = tensor.untyped_storage()
+            if _storage_use_count(storage) is None:
                 return tensor
             self._evict_one_free()
             if len(self._storages) < self.max_buffers:
-                self._storages[self._next_id] = (shape, dtype, tensor.untyped_storage())
+                self._storages[self._next_id] = (
+                    shape,
+                    dtype,
+                    storage,
+                    (storage.data_ptr(), storage.nbytes()),
+                )
                 self._next_id += 1
             return tensor
 
@@ -77,12 +89,22 @@ class CpuBufferPool:
     def kept_bytes(self) -> int:
         """Bytes of storage currently kept by the pool (in use or free)."""
         with self._lock:
-            return sum(storage.nbytes() for _, _, storage in self._storages.values())
+            return sum(storage.nbytes() for _, _, storage, _ in self._storages.values())
+
+    def _drop_escaped(self) -> None:
+        """Forget storages that are no longer provably private (never handed out again)."""
+        escaped = [
+            key
+            for key, (_, _, storage, identity) in self._storages.items()
+            if storage.is_shared() or (storage.data_ptr(), storage.nbytes()) != identity
+        ]
+        for key in escaped:
+            del self._storages[key]
 
     def _evict_one_free(self) -> None:
         if len(self._storages) < self.max_buffers:
             return
-        for key, (_, _, storage) in self._storages.items():  # least recently used first
+        for key, (_, _, storage, _) in self._storages.items():  # least recently used first
             if _storage_use_count(storage) == 1:
                 del self._storages[key]
                 return
