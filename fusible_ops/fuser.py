@@ -15,6 +15,7 @@ from .buffers import GRAD_INPUT_BUFFER_KEY, call_buffers, check_call_buffers, te
 from .dtypes import compute_dtype
 from .fusion_rules import FusionContext, registered_rules, registry_version
 from .op import BasicOperation, OperationContext, TensorMeta
+from .op_contract import check_backward_result, check_forward_result
 from .plan import FusionDecision, FusionPlan, PlanEntry
 from .settings import current_settings
 from .splits import start_call
@@ -263,22 +264,32 @@ def _split_params(state: _CallState, flat: Sequence[torch.Tensor]) -> list[dict[
 
 
 def _run_forward(
-    plan: FusionPlan, ctxs: list[OperationContext], input_: torch.Tensor, extra_inputs: list, kwargs: list
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
-    """Run the plan's forward entries; returns the output and each basic op's extra outputs."""
+    plan: FusionPlan,
+    ops: list[BasicOperation],
+    ctxs: list[OperationContext],
+    input_: torch.Tensor,
+    extra_inputs: list,
+    kwargs: list,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]], dict[int, tuple[int, ...]]]:
+    """Run the plan's forward entries; returns the output, each basic op's extra outputs
+    and the main input shape of each basic op that starts an entry."""
     x = input_
     extra_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(ctxs)
+    input_shapes: dict[int, tuple[int, ...]] = {}
     for entry in plan.forward:
         idx = entry.indices
-        x, op_extra_outputs = entry.op.fuser_forward(
+        input_shapes[idx[0]] = tuple(x.shape)
+        result = entry.op.fuser_forward(
             [ctxs[i] for i in idx],
             x,
             basic_op_extra_inputs=[extra_inputs[i] for i in idx],
             basic_op_kwargs=[kwargs[i] for i in idx],
         )
+        check_forward_result(entry.op, result, [ops[i].num_extra_outputs for i in idx])
+        x, op_extra_outputs = result
         for i, outs in zip(idx, op_extra_outputs):
             extra_outputs[i] = tuple(outs)
-    return x, extra_outputs
+    return x, extra_outputs, input_shapes
 
 
 class _FuserFunction(torch.autograd.Function):
@@ -305,7 +316,9 @@ class _FuserFunction(torch.autograd.Function):
             ctx.grad_input_buffer = state.kwargs[len(ctxs)].get(GRAD_INPUT_BUFFER_KEY)
             ctxs.append(ctx)
 
-        x, extra_outputs = _run_forward(state.plan, ctxs, input_, extra_inputs, state.kwargs)
+        x, extra_outputs, input_shapes = _run_forward(
+            state.plan, state.fuser.ops, ctxs, input_, extra_inputs, state.kwargs
+        )
 
         if state.plan.requires_grad:
             # The parameters are saved like any input autograd keeps: backward computes
@@ -322,6 +335,8 @@ class _FuserFunction(torch.autograd.Function):
             func_ctx.layout = layout
             func_ctx.ctxs = ctxs
             func_ctx.state = state
+            # backward entries may group ops differently: a shape only where both agree
+            func_ctx.input_shapes = None if torch.compiler.is_compiling() else input_shapes
             if state.grad_buffers and state.grad_buffers[0][0] == 0:
                 # a weak reference: backward only asks whether its .grad is the buffer
                 func_ctx.input_ref = weakref.ref(input_)
@@ -371,11 +386,20 @@ class _FuserFunction(torch.autograd.Function):
                 # grad requirements only switch on along the chain: nothing before needs grad
                 grad = None
                 break
-            grad, op_grad_params, op_grad_extra = entry.op.fuser_backward(
+            result = entry.op.fuser_backward(
                 [ctxs[i] for i in idx],
                 grad,
                 basic_op_grad_extra_outputs=[grad_extra_outputs[i] for i in idx],
             )
+            shapes = func_ctx.input_shapes
+            check_backward_result(
+                entry.op,
+                result,
+                None if shapes is None else shapes.get(idx[0]),
+                [[t for t in params[i].values() if t is not None] for i in idx],
+                [state.extra_counts[i] for i in idx],
+            )
+            grad, op_grad_params, op_grad_extra = result
             for i, g_params, g_extra in zip(idx, op_grad_params, op_grad_extra):
                 grad_params[i] = list(g_params) if g_params else [None] * param_counts[i]
                 grad_extra_inputs[i] = tuple(g_extra) if g_extra else (None,) * state.extra_counts[i]
@@ -738,7 +762,7 @@ class OperationFuser:
             ctx.params = params
             ctxs.append(ctx)
         with torch.no_grad():
-            x, extra_outputs = _run_forward(plan, ctxs, input_, extra_inputs, kwargs)
+            x, extra_outputs, _ = _run_forward(plan, self.ops, ctxs, input_, extra_inputs, kwargs)
         flat_extra_outputs = [t for outs in extra_outputs for t in outs]
         return (x, *flat_extra_outputs) if flat_extra_outputs else x
 

@@ -124,7 +124,12 @@ def window_rule(name: str, pattern: Sequence[type | tuple[type, ...]], build: Bu
                     result.append(PlanEntry(built, indices))
                     position += len(pattern)
                     continue
-                context.record(name, indices, fired=False, reason=str(built))
+                if not isinstance(built, str) or not built:
+                    raise TypeError(
+                        f"fusion rule {name!r}: build returned {type(built).__name__}; it must return a "
+                        "FusedOperation, or a non-empty str: the reason to decline"
+                    )
+                context.record(name, indices, fired=False, reason=built)
             result.append(entries[position])
             position += 1
         return result

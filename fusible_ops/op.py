@@ -200,6 +200,16 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         result = self.op_backward(basic_op_ctxs[0], grad_output)
+        if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+            got = (
+                f"{type(result).__name__} of {len(result)}"
+                if isinstance(result, (tuple, list))
+                else type(result).__name__
+            )
+            raise TypeError(
+                f"{type(self).__name__}.op_backward returned {got}; expected (grad_input, [parameter "
+                "gradients]) or (grad_input, [parameter gradients], (extra-input gradients,))"
+            )
         grad_input, grad_params = result[0], result[1]
         grad_extra_inputs = tuple(result[2]) if len(result) > 2 else (None,) * self.num_extra_inputs
         return grad_input, [list(grad_params)], [grad_extra_inputs]

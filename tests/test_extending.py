@@ -94,3 +94,122 @@ def test_declines_with_reason_and_falls_back(doc_namespace):
     assert plan.forward_op_types() == ["BasicLinear", "ReLU"]
     assert plan.declined[0].reason == "LinearReLU handles float32/float64 only, got torch.bfloat16"
     torch.testing.assert_close(y, torch.relu(x @ mlp[0].weight.T))
+
+
+# ---------------------------------------------------------------- fused ops that break the contract (issue 11 item 10)
+
+
+class _BrokenLinearReLU(fo.FusedOperation):
+    """``relu(x @ w.T)`` over (BasicLinear, ReLU), returning what ``breakage`` says."""
+
+    breakage = ""
+
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+        ctx = basic_op_ctxs[0]
+        y = torch.relu(input_ @ ctx.params["weight"].T)
+        ctx.save_for_backward(input=input_, mask=y > 0)
+        if self.breakage == "forward_bare_tensor":
+            return y
+        if self.breakage == "forward_one_list_for_two_ops":
+            return y, [()]
+        return y, [(), ()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        ctx = basic_op_ctxs[0]
+        grad_pre = grad_output * ctx.saved["mask"]
+        grad_input = grad_pre @ ctx.params["weight"]
+        grad_weight = grad_pre.T @ ctx.saved["input"]
+        return {
+            "backward_two_items": lambda: (grad_input, [[grad_weight], []]),
+            "backward_flat_param_grads": lambda: (grad_input, [grad_weight, None], [(), ()]),
+            "backward_one_list_for_two_ops": lambda: (grad_input, [[grad_weight]], [(), ()]),
+            "backward_wrong_grad_shape": lambda: (grad_input, [[grad_weight.T], []], [(), ()]),
+            "backward_wrong_grad_input_shape": lambda: (grad_input[:, 1:], [[grad_weight], []], [(), ()]),
+            "backward_grad_not_a_tensor": lambda: (grad_input, [[1.0], []], [(), ()]),
+        }[self.breakage]()
+
+
+_BREAKAGES = {
+    "forward_bare_tensor": (
+        TypeError,
+        r"_BrokenLinearReLU.fuser_forward returned Tensor\[6, 3\]; expected \(output tensor, a list of 2 tuples",
+    ),
+    "forward_one_list_for_two_ops": (
+        TypeError,
+        r"_BrokenLinearReLU.fuser_forward returned list of 1 as extra outputs; expected .* 2 tuples",
+    ),
+    "backward_two_items": (
+        TypeError,
+        r"_BrokenLinearReLU.fuser_backward returned tuple of 2; expected \(grad_input, a list of 2 lists",
+    ),
+    "backward_flat_param_grads": (
+        TypeError,
+        r"fuser_backward: the parameter gradients of basic op 0 are Tensor\[3, 4\]; expected a list of 1",
+    ),
+    "backward_one_list_for_two_ops": (
+        TypeError,
+        r"fuser_backward returned list of 1 as parameter gradients; expected",
+    ),
+    "backward_wrong_grad_shape": (
+        RuntimeError,
+        r"fuser_backward: gradient 0 of basic op 0 has shape \[4, 3\]; the parameter has shape \[3, 4\]",
+    ),
+    "backward_wrong_grad_input_shape": (
+        RuntimeError,
+        r"fuser_backward returned a grad_input of shape \[6, 3\]; the input had shape \[6, 4\]",
+    ),
+    "backward_grad_not_a_tensor": (
+        TypeError,
+        r"gradient 0 of basic op 0 is float; expected a tensor or None",
+    ),
+}
+
+
+@pytest.mark.parametrize("breakage", list(_BREAKAGES))
+def test_fused_op_breaking_the_contract_gets_a_clear_error(breakage):
+    error, message = _BREAKAGES[breakage]
+    fused = type("_BrokenLinearReLU", (_BrokenLinearReLU,), {"breakage": breakage})
+    rule = fo.window_rule("broken_linear_relu", (fo.BasicLinear, fo.ReLU), lambda ctx, ops, first: fused(ops))
+    seq = fo.Sequential(fo.BasicLinear(4, 3), fo.ReLU())
+    weight = seq[0].weight.detach().clone()
+    x = torch.randn(6, 4, requires_grad=True)
+    fo.register_fusion(rule, kind="joint")
+    try:
+        with pytest.raises(error, match=message):
+            seq(x).sum().backward()
+    finally:
+        fo.unregister_fusion(rule)
+    assert torch.equal(seq[0].weight, weight) and seq[0].weight.grad is None and x.grad is None
+    seq(x).sum().backward()  # without the broken rule the same objects work
+    torch.testing.assert_close(x.grad, ((x @ weight.T) > 0).float() @ weight)
+
+
+def test_build_returning_none_is_an_error_naming_the_rule():
+    rule = fo.window_rule("lazy", (fo.BasicLinear, fo.ReLU), lambda ctx, ops, first: None)
+    seq = fo.Sequential(fo.BasicLinear(4, 3), fo.ReLU())
+    fo.register_fusion(rule, kind="joint")
+    try:
+        with pytest.raises(
+            TypeError,
+            match=r"fusion rule 'lazy': build returned NoneType; it must return a FusedOperation, or a non-empty str",
+        ):
+            seq(torch.randn(6, 4))
+    finally:
+        fo.unregister_fusion(rule)
+    seq(torch.randn(6, 4))
+
+
+def test_op_backward_with_the_wrong_structure_names_the_op():
+    class Doubler(fo.BasicOperation):
+        def op_forward(self, ctx, input_):
+            return 2 * input_
+
+        def op_backward(self, ctx, grad_output):
+            return 2 * grad_output  # missing the parameter-gradient list
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(
+        TypeError,
+        match=r"Doubler.op_backward returned Tensor; expected \(grad_input, \[parameter gradients\]\)",
+    ):
+        fo.Sequential(Doubler())(x).sum().backward()
