@@ -7,6 +7,9 @@ into the buffer and returns a view of its first rows.
 
 from __future__ import annotations
 
+import itertools
+import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -176,3 +179,49 @@ def buffer_rows(buffer: torch.Tensor | None, num_rows: int, features: int) -> to
     For ops that checked their buffers in ``preflight``: the compute path only slices.
     """
     return None if buffer is None else buffer.view(-1, features)[:num_rows]
+
+
+class GradBufferWrites:
+    """Which calls' backwards wrote which grad_input buffer memory, and when.
+
+    A call whose grad_input buffer was written by *another* call's backward after this
+    call's forward must not write it again: that would overwrite a gradient already
+    handed to autograd (a leaf's ``.grad`` keeps the buffer itself). Memory spans are
+    compared, not version counters: views of one workspace share a version counter,
+    so disjoint buffers carved from it would look written. Only addresses are kept
+    (no reference to the memory), for the most recent ``max_writes`` writes.
+    """
+
+    def __init__(self, max_writes: int = 4096) -> None:
+        self._clock = itertools.count()
+        self._writes: deque[tuple[torch.device, int, int, int, int]] = deque(maxlen=max_writes)
+        self._lock = threading.Lock()
+
+    def now(self) -> int:
+        """A timestamp, later than every earlier one."""
+        return next(self._clock)
+
+    def written_by_other_since(self, buffer: torch.Tensor, since: int, call_id: int) -> bool:
+        span = _memory_span(_local(buffer))
+        if span is None:
+            return False
+        with self._lock:
+            writes = list(self._writes)
+        return any(
+            stamp > since
+            and owner != call_id
+            and device == buffer.device
+            and start < span[1]
+            and span[0] < end
+            for device, start, end, stamp, owner in writes
+        )
+
+    def record(self, buffer: torch.Tensor, call_id: int) -> None:
+        span = _memory_span(_local(buffer))
+        if span is not None:
+            with self._lock:
+                self._writes.append((buffer.device, span[0], span[1], self.now(), call_id))
+
+
+#: the process-wide record the fuser consults
+GRAD_BUFFER_WRITES = GradBufferWrites()

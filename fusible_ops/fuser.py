@@ -11,7 +11,13 @@ from typing import Any
 
 import torch
 
-from .buffers import GRAD_INPUT_BUFFER_KEY, call_buffers, check_call_buffers, tensors_overlap
+from .buffers import (
+    GRAD_BUFFER_WRITES,
+    GRAD_INPUT_BUFFER_KEY,
+    call_buffers,
+    check_call_buffers,
+    tensors_overlap,
+)
 from .dtypes import compute_dtype
 from .fusion_rules import FusionContext, registered_rules, registry_version
 from .op import BasicOperation, OperationContext, TensorMeta
@@ -144,8 +150,10 @@ class _CallState:
     #: fc1 and fc2, tied weights) is passed once, as Dynamo requires
     slots: list[int]
     num_args: int
-    #: ``(op index, buffer, version at forward)`` of each grad_input buffer (empty while tracing)
-    grad_buffers: list[tuple[int, torch.Tensor, int]]
+    #: ``(op index, buffer)`` of each grad_input buffer (empty while tracing)
+    grad_buffers: list[tuple[int, torch.Tensor]]
+    #: when forward ran (see :class:`~fusible_ops.buffers.GradBufferWrites`)
+    forward_time: int
 
 
 def _dedupe(values: list[Any]) -> tuple[list[Any], list[int]]:
@@ -222,20 +230,23 @@ def _check_dense(op_name: str, what: str, tensor: torch.Tensor) -> None:
 
 
 def _check_grad_buffers(state: _CallState) -> None:
-    """Refuse to write a grad_input buffer that changed since forward (before any write).
-
-    Something else wrote it in between: another op's backward given the same buffer, or
-    an in-place write. Writing this call's gradient there would corrupt what that write
-    produced (a gradient already handed to autograd, a ``.grad``).
-    """
-    for index, buffer, version in state.grad_buffers:
-        if buffer._version != version:
+    """Refuse to write a grad_input buffer that another call's backward wrote since this
+    call's forward (before any write): that write is a gradient already handed out."""
+    for index, buffer in state.grad_buffers:
+        if GRAD_BUFFER_WRITES.written_by_other_since(buffer, state.forward_time, id(state)):
             raise RuntimeError(
-                f"{state.fuser.label(index)}: its grad_input buffer was written after this call's forward "
-                "(by another op's backward given the same buffer, or in place); writing this gradient "
-                "there would corrupt the earlier result. Give each op of a step its own grad_input "
-                "buffer, or run each backward before the next forward that uses the buffer"
+                f"{state.fuser.label(index)}: its grad_input buffer was written by another call's backward "
+                "after this call's forward; writing this gradient there would overwrite that one. Give "
+                "each op of a step its own grad_input buffer, or run each backward before the next "
+                "forward that uses the buffer"
             )
+
+
+def _record_grad_buffer_writes(state: _CallState, ctxs: list[OperationContext]) -> None:
+    for index, _ in state.grad_buffers:
+        ctx = ctxs[index]
+        if ctx.input_requires_grad and ctx.grad_input_buffer is not None:
+            GRAD_BUFFER_WRITES.record(ctx.grad_input_buffer, id(state))
 
 
 def _adopted_as_grad(input_: torch.Tensor | None, buffer: torch.Tensor | None) -> bool:
@@ -403,6 +414,8 @@ class _FuserFunction(torch.autograd.Function):
             for i, g_params, g_extra in zip(idx, op_grad_params, op_grad_extra):
                 grad_params[i] = list(g_params) if g_params else [None] * param_counts[i]
                 grad_extra_inputs[i] = tuple(g_extra) if g_extra else (None,) * state.extra_counts[i]
+        if state.grad_buffers:
+            _record_grad_buffer_writes(state, ctxs)
         flat_grads = [g for grads in grad_extra_inputs for g in grads]
         flat_grads.extend(g for grads in grad_params for g in grads)
         unique_grads: list[torch.Tensor | None] = [None] * state.num_args
@@ -741,10 +754,11 @@ class OperationFuser:
             grad_buffers=[]
             if torch.compiler.is_compiling()
             else [
-                (i, k[GRAD_INPUT_BUFFER_KEY], k[GRAD_INPUT_BUFFER_KEY]._version)
+                (i, k[GRAD_INPUT_BUFFER_KEY])
                 for i, k in enumerate(kwargs)
                 if isinstance(k.get(GRAD_INPUT_BUFFER_KEY), torch.Tensor)
             ],
+            forward_time=0 if torch.compiler.is_compiling() else GRAD_BUFFER_WRITES.now(),
         )
         return _FuserFunction.apply(input_, state, *unique_args)
 

@@ -127,7 +127,7 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
     #: kwargs this op accepts through ``op_kwargs``; anything else is a TypeError
     accepted_kwargs: frozenset[str] = frozenset()
     #: which of ``accepted_kwargs`` are caller buffers (checked for overlap per call)
-    buffer_kwargs: frozenset[str] = frozenset()
+    buffer_kwargs: tuple[str, ...] = ()
     #: names of the parameter attributes forward reads, in the order ``op_backward``
     #: returns their gradients; None: the op's own parameters in registration order
     param_names: tuple[str, ...] | None = None

@@ -389,7 +389,7 @@ def test_direct_calls_sharing_a_grad_input_buffer_never_corrupt_gradients():
     y2.sum().backward()  # writes `shared`, which autograd keeps as x2.grad
     x2_grad = x2.grad.clone()
     with pytest.raises(
-        RuntimeError, match=r"op 0 \(GroupedLinear\): its grad_input buffer was written after"
+        RuntimeError, match=r"op 0 \(GroupedLinear\): its grad_input buffer was written by another call"
     ):
         y1.sum().backward()  # would overwrite x2.grad
     assert torch.equal(x2.grad, x2_grad) and x1.grad is None
@@ -398,7 +398,7 @@ def test_direct_calls_sharing_a_grad_input_buffer_never_corrupt_gradients():
     op1.zero_grad(), op2.zero_grad()
     y1 = op1(x1, SPLITS, grad_input=shared)
     y2 = op2(x2, SPLITS, grad_input=shared)
-    with pytest.raises(RuntimeError, match="grad_input buffer was written after"):
+    with pytest.raises(RuntimeError, match="grad_input buffer was written by another call"):
         (y1.sum() + y2.sum()).backward()
     # separate buffers: both gradients right
     b1, b2 = torch.empty(ROWS, HIDDEN), torch.empty(ROWS, HIDDEN)
@@ -465,3 +465,112 @@ def test_buffer_made_under_inference_mode_is_refused_for_training():
         out = seq(x_inference, SPLITS, probs.detach(), SPLITS, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: out_buf}})
     assert out.data_ptr() == out_buf.data_ptr()
     torch.testing.assert_close(out_buf, seq(x, SPLITS, probs, SPLITS).detach())
+
+
+# ---------------------------------------------------------------- property: any mix of buffers over a Sequential
+
+from hypothesis import event, given  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+P_SPLITS, P_ROWS, P_HIDDEN, P_FFN = [2, 0, 3, 1], 6, 4, 3
+#: (op index, key, columns) of every buffer the expert block accepts
+P_SLOTS = [
+    (0, fo.OUTPUT_BUFFER_KEY, 2 * P_FFN),
+    (0, fo.GRAD_INPUT_BUFFER_KEY, P_HIDDEN),
+    (2, fo.OUTPUT_BUFFER_KEY, P_HIDDEN),
+    (2, fo.GRAD_INPUT_BUFFER_KEY, P_FFN),
+]
+P_ARENA = 1024
+
+_slot_choice = st.one_of(
+    st.none(),
+    st.none(),
+    st.tuples(st.just("disjoint"), st.just(0), st.integers(P_ROWS, P_ROWS + 2)),
+    st.tuples(st.just("disjoint"), st.just(0), st.integers(P_ROWS, P_ROWS + 2)),
+    st.tuples(st.just("arena"), st.integers(0, 160), st.integers(P_ROWS - 1, P_ROWS + 2)),
+    st.tuples(st.just("disjoint"), st.just(0), st.integers(P_ROWS - 1, P_ROWS + 2)),
+    st.tuples(st.sampled_from(["input", "weight", "probs"]), st.just(0), st.just(P_ROWS)),
+)
+
+
+def _place(choice, slot_index, cols, arena, x, probs, seq):
+    """The buffer for ``choice`` and, for arena buffers, its element span ``(start, end)``."""
+    source, offset, rows = choice
+    if source == "disjoint":
+        offset = 300 + 150 * slot_index
+    if source in ("arena", "disjoint"):
+        return arena[offset : offset + rows * cols].view(rows, cols), (offset, offset + rows * cols)
+    backing = {"input": x, "weight": seq[0].weight, "probs": probs}[source].detach().view(-1)
+    rows = min(rows, backing.numel() // cols)
+    return backing[: rows * cols].view(rows, cols), None
+
+
+@hypothesis_settings(max_examples=120, deadline=None)
+@given(choices=st.lists(_slot_choice, min_size=4, max_size=4), fused=st.booleans())
+def test_any_buffers_over_a_sequential_are_bit_identical_or_refused_untouched(choices, fused):
+    torch.manual_seed(0)
+    seq = fo.Sequential(
+        fo.GroupedLinear(EXPERTS, P_HIDDEN, 2 * P_FFN),
+        fo.ScaledSwiGLU(),
+        fo.GroupedLinear(EXPERTS, P_FFN, P_HIDDEN),
+    )
+    x = torch.randn(P_ROWS, P_HIDDEN, requires_grad=True)
+    probs = torch.rand(P_ROWS, requires_grad=True)
+    dy = torch.randn(P_ROWS, P_HIDDEN)
+    mode = "fused" if fused else "unfused"
+
+    def run_once(op_kwargs):
+        x.grad = probs.grad = None
+        seq.zero_grad(set_to_none=True)
+        out = seq(x, P_SPLITS, probs, P_SPLITS, op_kwargs=op_kwargs)
+        out.backward(dy)
+        return [
+            out.detach().clone(),
+            x.grad.clone(),
+            probs.grad.clone(),
+            seq[0].weight.grad.clone(),
+            seq[2].weight.grad.clone(),
+        ]
+
+    # a buffer may make the fused op decline (the plan says why): the unbuffered result
+    # to match bit for bit is the one computed by the same ops
+    with fusion("unfused"):
+        expected_unfused = run_once(None)
+    with fusion(mode):
+        expected_fused = run_once(None)
+        arena = torch.full((P_ARENA,), SENTINEL)
+        op_kwargs: dict[int, dict] = {}
+        spans, valid = [], True
+        for slot_index, (choice, (op_index, key, cols)) in enumerate(zip(choices, P_SLOTS)):
+            if choice is None:
+                continue
+            buffer, span = _place(choice, slot_index, cols, arena, x, probs, seq)
+            op_kwargs.setdefault(op_index, {})[key] = buffer
+            valid &= span is not None and buffer.shape[0] >= P_ROWS  # over a call's tensor: refused
+            if span is not None:
+                valid &= all(span[1] <= start or end <= span[0] for start, end, _ in spans)
+                spans.append((*span, cols))
+        arena_before = arena.clone()
+        tensors_before = [t.detach().clone() for t in (x, probs, *seq.parameters())]
+        event("refused" if not valid else "accepted")
+        if not valid:
+            with pytest.raises(ValueError, match=r"GroupedLinear: buffer"):
+                run_once(op_kwargs)
+            assert torch.equal(arena, arena_before), "a refused call wrote a buffer"
+            after = [t.detach() for t in (x, probs, *seq.parameters())]
+            assert all(torch.equal(a, b) for a, b in zip(after, tensors_before))
+            assert all(p.grad is None for p in seq.parameters())
+            return
+        got = run_once(op_kwargs)
+        plan = seq.last_plan.fusion_plans[0]
+        ran_fused = plan.forward_op_types() == ["GroupedMLP"]
+        assert ran_fused == (plan.backward_op_types() == ["GroupedMLP"])
+        assert fused or not ran_fused
+        expected = expected_fused if ran_fused else expected_unfused
+        for name, a, b in zip(("out", "dx", "dprobs", "dw1", "dw2"), got, expected):
+            assert torch.equal(a, b), f"{name} differs with buffers {choices}"
+        written = torch.zeros(P_ARENA, dtype=torch.bool)
+        for start, _, cols in spans:
+            written[start : start + P_ROWS * cols] = True  # only the first rows; the tail never
+        assert torch.equal(arena[~written], arena_before[~written]), "memory outside the results was written"

@@ -53,7 +53,7 @@ class GroupedLinear(BasicOperation):
     num_extra_inputs = 1
     param_names = ("weight", "bias")
     accepted_kwargs = frozenset({OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY})
-    buffer_kwargs = accepted_kwargs
+    buffer_kwargs = (OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY)
 
     def __init__(
         self,
