@@ -262,8 +262,25 @@ def test_validate_or_alloc_output_directly():
 # ---------------------------------------------------------------- aliasing across a whole call (issue 11)
 
 
+def _optimizer_with_state(module: torch.nn.Module) -> torch.optim.Optimizer:
+    """An Adam over ``module`` that has taken one step (so it holds state), grads cleared."""
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v.clone() for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
 def assert_refused_untouched(seq, call, buffers, message, *, explain=None, error=ValueError):
-    """``call()`` raises ``error`` matching ``message``; buffers and parameters are unchanged."""
+    """``call()`` raises ``error`` matching ``message``; buffers, parameters and optimizer
+    state are unchanged."""
+    optimizer = _optimizer_with_state(seq)
+    optimizer_before = _optimizer_snapshot(optimizer)
     params_before = [p.detach().clone() for p in seq.parameters()]
     buffers_before = [b.clone() for b in buffers]
     with pytest.raises(error, match=message):
@@ -276,6 +293,9 @@ def assert_refused_untouched(seq, call, buffers, message, *, explain=None, error
     for p, before in zip(seq.parameters(), params_before):
         assert torch.equal(p.detach(), before), "a failed call changed a parameter"
         assert p.grad is None
+    after = _optimizer_snapshot(optimizer)
+    assert len(after) == len(optimizer_before)
+    assert all(torch.equal(a, b) for a, b in zip(after, optimizer_before)), "optimizer state changed"
 
 
 def square_block() -> fo.Sequential:

@@ -388,8 +388,13 @@ _WRONG_TARGETS = {
 }
 _HELPERS = {
     "load_stacked": lambda t: load_stacked(t, torch.zeros(4, 12, 8), torch.zeros(4, 8, 6)),
-    "load_per_expert": lambda t: load_per_expert(t, [torch.zeros(6, 8)] * 4, [torch.zeros(8, 6)] * 4),
-    "load_grouped_keys": lambda t: load_grouped_keys(t, {}),
+    "load_per_expert": lambda t: load_per_expert(
+        t, [torch.zeros(6, 8)] * 4, [torch.zeros(8, 6)] * 4, [torch.zeros(6, 8)] * 4
+    ),
+    "load_grouped_keys": lambda t: load_grouped_keys(
+        t,
+        {f"experts.{i}.weight{e}": torch.zeros(s) for i, s in ((0, (12, 8)), (2, (8, 6))) for e in range(4)},
+    ),
     "export_stacked": export_stacked,
     "export_per_expert": export_per_expert,
     "export_grouped_keys": export_grouped_keys,
@@ -407,3 +412,5 @@ def test_helpers_refuse_a_module_of_the_wrong_kind(helper, target):
     ):
         _HELPERS[helper](module)
     assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+    # the same helper works on a module of the right kind
+    _HELPERS[helper](fo.Sequential(fo.GroupedLinear(4, 8, 12), fo.ScaledSwiGLU(), fo.GroupedLinear(4, 6, 8)))

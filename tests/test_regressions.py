@@ -169,12 +169,22 @@ def test_unfreezing_a_parameter_between_forward_and_backward_is_an_error(fusion)
     x = torch.randn(3, 4, requires_grad=True)
     probs = torch.rand(3)
     grad_buf = torch.full((3, 4), 7.0)
+    optimizer = torch.optim.Adam(seq.parameters())
+    for p in seq.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # the optimizer holds state
+    optimizer.zero_grad(set_to_none=True)
+    state_before = [v.clone() for st in optimizer.state.values() for v in st.values()]
+    params_before = [p.detach().clone() for p in seq.parameters()]
     with fo.settings(fusion=fusion):
         y = seq(x, [1, 2], probs, [1, 2], op_kwargs={0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}})
     seq[0].weight.requires_grad_(True)
     with pytest.raises(RuntimeError, match="GroupedLinear: parameter 'weight' was set to require grad after"):
         y.sum().backward()
     assert torch.all(grad_buf == 7.0) and x.grad is None
+    assert all(torch.equal(a, b) for a, b in zip(seq.parameters(), params_before))
+    state_after = [v for st in optimizer.state.values() for v in st.values()]
+    assert all(torch.equal(a, b) for a, b in zip(state_after, state_before))
     assert seq[0].weight.grad is None and seq[2].weight.grad is None
     with fo.settings(fusion=fusion):  # the next call, with the flag set before forward, works
         seq(x, [1, 2], probs, [1, 2]).sum().backward()

@@ -347,3 +347,8 @@ def test_gated_width_mismatch_names_the_op_index_and_the_fix():
     shifted = fo.Sequential(torch.nn.Identity(), *list(seq))
     with pytest.raises(ValueError, match=r"op 3 of the Sequential; op 2 \(ScaledSwiGLU\)"):
         shifted(x, SPLITS, probs, SPLITS)
+    # nothing was computed or changed; fixing fc1's width makes the same call work
+    assert x.grad is None and all(p.grad is None for p in seq.parameters())
+    seq[0] = fo.GroupedLinear(EXPERTS, HIDDEN, 2 * FFN)
+    y = seq(x, SPLITS, probs, SPLITS)
+    torch.testing.assert_close(y.double(), reference(seq, x, probs)[0])
