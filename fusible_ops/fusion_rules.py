@@ -137,3 +137,92 @@ def window_rule(name: str, pattern: Sequence[type | tuple[type, ...]], build: Bu
     rule.__name__ = name
     rule.__qualname__ = name
     return rule
+
+
+# ---------------------------------------------------------------- what plans are keyed on and checked against
+
+_CHEAP_COMPARE_NUMEL = 4096
+
+
+def _extra_input_identity(value: Any, by_value: bool) -> tuple[tuple, str]:
+    """A key under which equal extra inputs collide when equality is cheap to see.
+
+    Integer lists and small integer CPU tensors compare by value; anything else (a
+    device tensor, whose values would need a host sync) only by identity. While
+    tracing (``by_value=False``) tensors compare by identity only: reading their
+    values would be a host read in the graph.
+    """
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return ("values", tuple(value)), "list"
+    if isinstance(value, torch.Tensor):
+        kind = f"{value.device.type} tensor"
+        if (
+            by_value
+            and value.device.type == "cpu"
+            and not value.is_floating_point()
+            and value.dim() == 1
+            and value.numel() <= _CHEAP_COMPARE_NUMEL
+        ):
+            return ("values", tuple(value.tolist())), kind
+        return ("object", value), kind
+    return ("object", value), type(value).__name__
+
+
+def classify_extra_inputs(
+    extra_inputs: list[tuple[Any, ...]],
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[str, ...], ...]]:
+    by_value = not torch.compiler.is_compiling()
+    seen: list[tuple] = []
+    classes, kinds = [], []
+    for op_inputs in extra_inputs:
+        op_classes, op_kinds = [], []
+        for value in op_inputs:
+            identity, kind = _extra_input_identity(value, by_value)
+            op_classes.append(_class_of(seen, identity))
+            op_kinds.append(kind)
+        classes.append(tuple(op_classes))
+        kinds.append(tuple(op_kinds))
+    return tuple(classes), tuple(kinds)
+
+
+def _class_of(seen: list[tuple], identity: tuple) -> int:
+    """Index of ``identity`` among those ``seen`` (appended when new)."""
+    for index, known in enumerate(seen):
+        if _same_identity(known, identity):
+            return index
+    seen.append(identity)
+    return len(seen) - 1
+
+
+def _same_identity(a: tuple, b: tuple) -> bool:
+    if a[0] != b[0]:
+        return False
+    return a[1] is b[1] if a[0] == "object" else a[1] == b[1]
+
+
+def checked_plan(rule, entries, ops: list[BasicOperation], kind: str) -> list[PlanEntry]:
+    """``entries`` if they cover every basic op exactly once, in order, each with its own ops.
+
+    A rule that drops, repeats or reorders an op, or builds a fused op over other ops than
+    the indices it claims, would silently change the math: refused, naming the rule.
+    """
+    name = getattr(rule, "__name__", repr(rule))
+    where = f"fusion rule {name!r} ({kind})"
+    if not isinstance(entries, (list, tuple)) or not all(isinstance(e, PlanEntry) for e in entries):
+        raise TypeError(f"{where} must return a list of PlanEntry, got {type(entries).__name__}")
+    covered = [i for entry in entries for i in entry.indices]
+    if covered != list(range(len(ops))):
+        raise RuntimeError(
+            f"{where} returned a plan covering ops {covered}; every op 0..{len(ops) - 1} must appear "
+            "exactly once and in order"
+        )
+    for entry in entries:
+        expected = [ops[i] for i in entry.indices]
+        got = [entry.op] if isinstance(entry.op, BasicOperation) else list(getattr(entry.op, "basic_ops", ()))
+        if len(got) != len(expected) or any(a is not b for a, b in zip(got, expected)):
+            raise RuntimeError(
+                f"{where}: the entry for ops {list(entry.indices)} holds "
+                f"{[op.op_name() for op in got] or type(entry.op).__name__}, not those ops "
+                f"({[op.op_name() for op in expected]})"
+            )
+    return list(entries)

@@ -20,18 +20,24 @@ class PlanEntry:
     def backend_name(self) -> str | None:
         return self.backend if isinstance(self.op, BasicOperation) else getattr(self.op, "backend", None)
 
-    def describe(self, names: list[str]) -> str:
+    def describe(self, names: list[str], first_index: int = 0) -> str:
+        """``names``: the group's op names; ``first_index``: the group's first op in its
+        Sequential (what the text shows)."""
         if isinstance(self.op, BasicOperation):
             text = names[self.indices[0]]
         else:
-            text = f"{type(self.op).__name__}(ops {self.indices[0]}..{self.indices[-1]})"
+            first, last = self.indices[0] + first_index, self.indices[-1] + first_index
+            text = f"{type(self.op).__name__}(ops {first}..{last})"
         backend = self.backend_name
         return text + (f" [backend={backend}]" if backend else "")
 
 
 @dataclass(frozen=True)
 class FusionDecision:
-    """A rule that matched a window: ``fired`` or declined with ``reason``."""
+    """A rule that matched a window: ``fired`` or declined with ``reason``.
+
+    ``indices`` are positions in the Sequential (the indices ``op_kwargs`` uses).
+    """
 
     rule: str
     kind: str
@@ -52,7 +58,11 @@ class FusionDecision:
 
 @dataclass
 class FusionPlan:
-    """Structured plan for one fuser group."""
+    """Structured plan for one fuser group.
+
+    Entries' ``indices`` are positions within the group (``op_names``); the text and the
+    decisions use positions in the Sequential, ``first_index`` onwards.
+    """
 
     op_names: list[str]
     forward: list[PlanEntry]
@@ -62,6 +72,8 @@ class FusionPlan:
     dtype: object = None
     device: object = None
     requires_grad: bool = False
+    #: position of the group's first op in its Sequential
+    first_index: int = 0
 
     @property
     def fired(self) -> list[FusionDecision]:
@@ -82,10 +94,13 @@ class FusionPlan:
             f"fusion plan: {len(self.op_names)} ops, dtype={self.dtype}, device={self.device}, "
             f"requires_grad={self.requires_grad}, fusion={'on' if self.fusion_enabled else 'off'}"
         ]
-        lines.append("  ops: " + ", ".join(f"{i}:{n}" for i, n in enumerate(self.op_names)))
-        lines.append("  forward : " + " -> ".join(e.describe(self.op_names) for e in self.forward))
+        first = self.first_index
+        lines.append("  ops: " + ", ".join(f"{first + i}:{n}" for i, n in enumerate(self.op_names)))
+        lines.append("  forward : " + " -> ".join(e.describe(self.op_names, first) for e in self.forward))
         if self.requires_grad:
-            lines.append("  backward: " + " -> ".join(e.describe(self.op_names) for e in self.backward))
+            lines.append(
+                "  backward: " + " -> ".join(e.describe(self.op_names, first) for e in self.backward)
+            )
         else:
             lines.append("  backward: (not needed: nothing requires grad)")
         for decision in self.decisions:

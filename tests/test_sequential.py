@@ -352,3 +352,39 @@ def test_gated_width_mismatch_names_the_op_index_and_the_fix():
     seq[0] = fo.GroupedLinear(EXPERTS, HIDDEN, 2 * FFN)
     y = seq(x, SPLITS, probs, SPLITS)
     torch.testing.assert_close(y.double(), reference(seq, x, probs)[0])
+
+
+# ---------------------------------------------------------------- plans speak in Sequential indices
+
+
+def test_plans_and_decisions_use_the_sequentials_indices():
+    seq = fo.Sequential(torch.nn.Identity(), *list(expert_block()))
+    x, probs = block_inputs()
+    fc1_out = torch.empty(ROWS, 2 * FFN)
+    plan = seq.explain(x, SPLITS, probs, SPLITS, op_kwargs={1: {fo.OUTPUT_BUFFER_KEY: fc1_out}})
+    group = plan.fusion_plans[0]
+    assert group.first_index == 1
+    assert [d.indices for d in group.decisions] == [(1, 2, 3)]
+    text = str(plan)
+    assert "ops: 1:GroupedLinear, 2:ScaledSwiGLU, 3:GroupedLinear" in text
+    assert "grouped_mlp (joint) declined on ops 1..3: output buffer requested on fc1" in text
+    seq(x, SPLITS, probs, SPLITS)
+    assert "GroupedMLP(ops 1..3)" in str(seq.last_plan) and "fired on ops 1..3" in str(seq.last_plan)
+    # a hooked op is named by its Sequential index too
+    seq[2].register_forward_hook(lambda module, args, out: None)
+    seq(x, SPLITS, probs, SPLITS)
+    hooked = [d for d in seq.last_plan.decisions if d.rule == "module_hooks"]
+    assert hooked[0].indices == (2,) and "forward hook on op 2 (ScaledSwiGLU)" in hooked[0].reason
+
+
+def test_unsupported_activation_decline_names_the_supported_classes():
+    seq = fo.Sequential(
+        fo.GroupedLinear(EXPERTS, HIDDEN, FFN), fo.GELU(), fo.GroupedLinear(EXPERTS, FFN, HIDDEN), fo.Scale()
+    )
+    x, probs = block_inputs()
+    (decision,) = seq.explain(x, SPLITS, SPLITS, probs).decisions
+    assert not decision.fired
+    assert decision.reason == (
+        "activation GELU (gelu) is not supported by GroupedMLP; supported here: "
+        "ClampedSwiGLU, GEGLU, SReLU, SwiGLU"
+    )

@@ -116,7 +116,7 @@ def _observe_eager_path(forward, x, w, b, mm_for_2d):
     """Run ``forward`` eagerly with spies on each path's function; return (out, path that ran)."""
     from unittest import mock
 
-    import fusible_ops.parallel.tp_linear as tp
+    import fusible_ops.basic.linear_dispatch as tp
 
     ran = []
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fusible_ops.parallel.tp_linear as tp_linear
+import fusible_ops.basic.linear_dispatch as tp_linear
 from fusible_ops.parallel import (
     PATH_ASYNC_TP,
     PATH_BMM,

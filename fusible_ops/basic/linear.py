@@ -1,6 +1,6 @@
 """Dense linear layer as two basic ops: ``BasicLinear`` (the GEMM) and ``Bias``.
 
-``BasicLinear`` computes through :func:`fusible_ops.parallel.tp_linear.tp_linear_forward`,
+``BasicLinear`` computes through :func:`fusible_ops.basic.linear_dispatch.tp_linear_forward`,
 so DTensor weights (tensor parallelism) work eagerly and under ``torch.compile``.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from ..dtypes import cast, compute_dtype
 from ..op import BasicOperation, OperationContext, TensorMeta, check_sizes
-from ..parallel.tp_linear import tp_linear_forward
+from .linear_dispatch import tp_linear_forward
 from .grouped_linear import check_float_input
 
 

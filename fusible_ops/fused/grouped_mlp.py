@@ -140,12 +140,27 @@ def _param_grads(params: dict, grad_weight, grad_bias) -> list:
 # ---------------------------------------------------------------- rules
 
 
+def _supported_classes(family: type) -> list[str]:
+    """Names of the activation classes of ``family`` whose kind GroupedMLP fuses."""
+    found, pending = set(), [family]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if getattr(cls, "kind", "") in SUPPORTED_ACTIVATIONS:
+            found.add(cls.__name__)
+    return sorted(found)
+
+
 def _check_mlp(context: FusionContext, ops: list[BasicOperation], first: int) -> str | None:
     """The reason the window cannot be fused, or None."""
     fc1, activation, fc2 = ops[0], ops[1], ops[2]
     spec: ActivationSpec = activation.spec
     if spec.kind not in SUPPORTED_ACTIVATIONS:
-        return f"activation {activation.op_name()} is not one of GroupedMLP's {SUPPORTED_ACTIVATIONS}"
+        family = ScaledActivation if isinstance(activation, ScaledActivation) else Activation
+        return (
+            f"activation {activation.op_name()} ({spec.kind}) is not supported by GroupedMLP; "
+            f"supported here: {', '.join(_supported_classes(family))}"
+        )
     if fc1.num_groups != fc2.num_groups:
         return f"fc1.num_groups ({fc1.num_groups}) != fc2.num_groups ({fc2.num_groups})"
     if spec.gated and fc1.out_features != 2 * fc2.in_features:

@@ -1,24 +1,45 @@
-# ruff: noqa: F401  (re-exports)
-"""Parallelism: tensor-parallel linear dispatch and modules, expert parallelism."""
+"""Parallelism: tensor-parallel linear dispatch and modules, expert parallelism.
+
+Names load on first use (PEP 562), so importing one of them does not import the rest:
+``from fusible_ops.parallel import TPLinear`` leaves expert parallelism unloaded.
+"""
 
 from __future__ import annotations
 
-from .expert_parallel import DispatchState, ExpertParallel, all_to_all_rows
-from .tp_linear import (
-    PATH_ASYNC_TP,
-    PATH_BMM,
-    PATH_LINEAR,
-    PATH_MM,
-    _async_tp_linear,
-    _is_async_tp_linear_enabled,
-    select_tp_linear_path,
-    tp_linear_forward,
-)
-from .tp_modules import (
-    LinearLoRA,
-    TPLinear,
-    lora_colwise_parallel,
-    lora_rowwise_parallel,
-    shard_colwise,
-    shard_rowwise,
-)
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DispatchState": ".expert_parallel",
+    "ExpertParallel": ".expert_parallel",
+    "all_to_all_rows": ".expert_parallel",
+    "PATH_ASYNC_TP": "..basic.linear_dispatch",
+    "PATH_BMM": "..basic.linear_dispatch",
+    "PATH_LINEAR": "..basic.linear_dispatch",
+    "PATH_MM": "..basic.linear_dispatch",
+    "_async_tp_linear": "..basic.linear_dispatch",
+    "_is_async_tp_linear_enabled": "..basic.linear_dispatch",
+    "select_tp_linear_path": "..basic.linear_dispatch",
+    "tp_linear_forward": "..basic.linear_dispatch",
+    "LinearLoRA": ".tp_modules",
+    "TPLinear": ".tp_modules",
+    "lora_colwise_parallel": ".tp_modules",
+    "lora_rowwise_parallel": ".tp_modules",
+    "shard_colwise": ".tp_modules",
+    "shard_rowwise": ".tp_modules",
+}
+
+__all__ = [name for name in _EXPORTS if not name.startswith("_")]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .tp_linear import tp_linear_forward
+from ..basic.linear_dispatch import tp_linear_forward
 
 __all__ = [
     "LinearLoRA",
