@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .kernels.activation import join_gate_linear, split_gate_linear
+from .moe import ExpertPlacement
 
 
 @dataclass
@@ -72,22 +73,20 @@ def _experts_of(target: nn.Module) -> nn.Module:
     return experts
 
 
-def expert_range(target: nn.Module) -> range:
-    """Global indices of the experts ``target`` holds (all of them without expert parallelism)."""
+def _placement(target: nn.Module) -> ExpertPlacement:
+    """Where ``target``'s experts sit among the global ones (all of them without EP)."""
     experts = _experts_of(target)
     num_local = experts[0].weight.shape[0]
-    rank = getattr(target, "ep_rank", None)
-    if rank is not None:
-        first = rank * num_local
-    else:  # a bare experts Sequential: MoE records where its experts start
-        first = getattr(experts, "first_global_expert", 0)
-    return range(first, first + num_local)
+    return experts.expert_placement or ExpertPlacement(0, num_local, num_local)
+
+
+def expert_range(target: nn.Module) -> range:
+    """Global indices of the experts ``target`` holds (all of them without expert parallelism)."""
+    return _placement(target).global_ids
 
 
 def _num_global_experts(target: nn.Module) -> int:
-    experts = _experts_of(target)
-    default = getattr(experts, "num_global_experts", experts[0].weight.shape[0])
-    return getattr(target, "num_experts", default)
+    return _placement(target).num_global
 
 
 def _interleave_of(experts: nn.Module) -> int | None:

@@ -15,6 +15,7 @@ Nothing here reads device values on the host: split sizes stay on the tokens' de
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -26,6 +27,19 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 # ---------------------------------------------------------------- router
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which of ``num_global`` experts a rank holds: ``num_local`` of them from ``first``."""
+
+    first: int
+    num_local: int
+    num_global: int
+
+    @property
+    def global_ids(self) -> range:
+        return range(self.first, self.first + self.num_local)
 
 
 def topk_route(

@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .basic.grouped_linear import GroupedLinear
+from .basic.scaled_activations import ScaledClampedSwiGLU, ScaledGEGLU, ScaledSReLU, ScaledSwiGLU
 from .dtypes import compute_dtype
-from .moe import SCORE_FUNCTIONS, permute, topk_route, unpermute
+from .moe import SCORE_FUNCTIONS, ExpertPlacement, permute, topk_route, unpermute
+from .sequential import Sequential
 
-#: activation name -> (fusible_ops class name, fc1 outputs per ffn unit)
+#: activation name -> (scaled activation class, fc1 outputs per ffn unit)
 MOE_ACTIVATIONS = {
-    "swiglu": ("ScaledSwiGLU", 2),
-    "geglu": ("ScaledGEGLU", 2),
-    "clamped_swiglu": ("ScaledClampedSwiGLU", 2),
-    "srelu": ("ScaledSReLU", 1),
+    "swiglu": (ScaledSwiGLU, 2),
+    "geglu": (ScaledGEGLU, 2),
+    "clamped_swiglu": (ScaledClampedSwiGLU, 2),
+    "srelu": (ScaledSReLU, 1),
 }
 
 
@@ -52,8 +55,6 @@ class MoE(nn.Module):
         ep_group: object | None = None,
     ) -> None:
         super().__init__()
-        import fusible_ops as fo  # the package imports this module; bind at call time
-
         for name, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoE: {name} must be a positive int, got {value!r}")
@@ -86,16 +87,15 @@ class MoE(nn.Module):
         act_class, fc1_factor = MOE_ACTIVATIONS[activation]
         factory = {"dtype": dtype, "device": device}
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
-        self.experts = fo.Sequential(
-            fo.GroupedLinear(
-                num_local_experts, hidden_size, fc1_factor * ffn_hidden_size, bias=bias, **factory
-            ),
-            getattr(fo, act_class)(),
-            fo.GroupedLinear(num_local_experts, ffn_hidden_size, hidden_size, bias=bias, **factory),
+        self.experts = Sequential(
+            GroupedLinear(num_local_experts, hidden_size, fc1_factor * ffn_hidden_size, bias=bias, **factory),
+            act_class(),
+            GroupedLinear(num_local_experts, ffn_hidden_size, hidden_size, bias=bias, **factory),
         )
         # so that checkpoint helpers given only the experts Sequential map the right experts
-        self.experts.first_global_expert = self.ep_rank * num_local_experts
-        self.experts.num_global_experts = num_experts
+        self.experts.expert_placement = ExpertPlacement(
+            self.ep_rank * num_local_experts, num_local_experts, num_experts
+        )
 
     @property
     def ep_rank(self) -> int:

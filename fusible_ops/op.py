@@ -241,7 +241,3 @@ class FusedOperation(FusibleOperation):
         self.backend = backend
         #: shown in the plan next to the decision that built this op (e.g. skipped backends)
         self.note = note
-
-    def describe(self) -> str:
-        suffix = f" [backend={self.backend}]" if self.backend else ""
-        return f"{type(self).__name__}({', '.join(op.op_name() for op in self.basic_ops)}){suffix}"

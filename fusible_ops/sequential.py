@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,6 +11,9 @@ from .buffers import call_buffers, check_call_buffers
 from .fuser import OperationFuser
 from .op import BasicOperation, TensorMeta
 from .plan import FusionPlan, SequentialPlan
+
+if TYPE_CHECKING:
+    from .moe import ExpertPlacement
 
 
 class Sequential(torch.nn.Module):
@@ -22,6 +25,10 @@ class Sequential(torch.nn.Module):
     is a group of its own and receives only the main tensor. When ops produce extra
     outputs, the return is ``(output, *extra_outputs)``.
     """
+
+    #: which global experts this Sequential holds when it is the experts block of an
+    #: expert-parallel ``fo.MoE`` (set by the MoE; read by :mod:`fusible_ops.checkpoint`)
+    expert_placement: ExpertPlacement | None = None
 
     def __init__(self, *modules: torch.nn.Module) -> None:
         super().__init__()
@@ -74,7 +81,7 @@ class Sequential(torch.nn.Module):
     def __getitem__(self, index: int | slice) -> torch.nn.Module | Sequential:
         modules = self._module_list()
         if isinstance(index, slice):
-            return type(self)(*modules[index]) if type(self) is Sequential else Sequential(*modules[index])
+            return Sequential(*modules[index])
         return modules[self._normalize_index(index)]
 
     def __setitem__(self, index: int, module: torch.nn.Module) -> None:

@@ -16,6 +16,7 @@ from fusible_ops.checkpoint import (
     load_per_expert_state_dict,
     load_stacked,
 )
+from fusible_ops.moe import ExpertPlacement
 from fusible_ops.moe_layer import MoE
 
 E, H, F = 4, 6, 3
@@ -171,8 +172,8 @@ class _FakeEPRank(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.num_experts, self.ep_rank = E, 1
         self.experts = MoE(H, F, E // 2, 1, dtype=torch.float64).experts
+        self.experts.expert_placement = ExpertPlacement(2, E // 2, E)  # what an EP MoE records
 
 
 def test_under_expert_parallelism_only_local_experts_are_read(public):
@@ -218,7 +219,7 @@ def test_bad_checkpoints_raise_and_leave_weights_unchanged(public):
 
 def test_a_bare_experts_sequential_knows_its_global_experts():
     experts = MoE(H, F, E // 2, 1, dtype=torch.float64).experts
-    experts.first_global_expert, experts.num_global_experts = 2, E  # as MoE records them on rank 1 of 2
+    experts.expert_placement = ExpertPlacement(2, 2, E)  # as MoE records it on rank 1 of 2
     assert list(expert_range(experts)) == [2, 3]
 
 

@@ -218,3 +218,4 @@ def test_random_splits_property(split_sizes, bias, leading):
     (y_ref * y_ref).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
     torch.testing.assert_close(op.weight.grad, w_ref.grad)
+
