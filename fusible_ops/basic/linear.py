@@ -12,8 +12,8 @@ import torch
 
 from ..dtypes import cast, compute_dtype
 from ..op import BasicOperation, OperationContext, TensorMeta, check_sizes
-from .linear_dispatch import tp_linear_forward
 from .grouped_linear import check_float_input
+from .linear_dispatch import tp_linear_forward
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
