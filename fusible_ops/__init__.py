@@ -40,7 +40,15 @@ from .fuser import OperationFuser
 from .fusion_rules import FusionContext, register_fusion, unregister_fusion, window_rule
 from .kernels import BackendUnavailableError
 from .moe_layer import MoE
-from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
+from .op import (
+    BasicOperation,
+    FusedBackward,
+    FusedForward,
+    FusedOperation,
+    FusibleOperation,
+    OpBackward,
+    OperationContext,
+)
 from .plan import FusionDecision, FusionPlan, SequentialPlan
 from .sequential import Sequential
 from .settings import Settings, current_settings, settings
@@ -60,6 +68,8 @@ __all__ = [
     "ClampedSwiGLU",
     "ConstantScale",
     "Dropout",
+    "FusedBackward",
+    "FusedForward",
     "FusedOperation",
     "FusibleOperation",
     "FusionContext",
@@ -72,6 +82,7 @@ __all__ = [
     "Linear",
     "MakeExtraOutput",
     "MoE",
+    "OpBackward",
     "OperationContext",
     "OperationFuser",
     "RMSNorm",

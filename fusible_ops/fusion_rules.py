@@ -28,8 +28,13 @@ _registry_version = [0]
 def register_fusion(rule: RuleFn, *, kind: str, prepend: bool = False) -> RuleFn:
     """Register ``rule`` of ``kind`` ("forward", "backward" or "joint").
 
-    ``prepend=True`` runs it before the rules already registered. Plans made
-    before registration are discarded (the fuser re-plans).
+    The kind is a promise about the fused ops the rule builds (see
+    :class:`~fusible_ops.op.FusedOperation`): a forward fusion fills the basic ops'
+    contexts as their forwards would, a backward fusion reads them as their backwards
+    would, a joint one replaces both; results equal the unfused ops'. Every plan a rule
+    returns must cover each basic op once, in order (checked). ``prepend=True`` runs it
+    before the rules already registered. Plans made before registration are discarded
+    (the fuser re-plans).
     """
     if kind not in FUSION_KINDS:
         raise ValueError(f"register_fusion: kind must be one of {FUSION_KINDS}, got {kind!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,6 +21,33 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+
+
+class OpBackward(NamedTuple):
+    """What :meth:`BasicOperation.op_backward` returns.
+
+    ``grad_params``: one per parameter in ``param_names`` order, absent (None) parameters
+    left out; ``grad_extra_inputs``: one per extra input (``()``: none needs a gradient).
+    """
+
+    grad_input: torch.Tensor | None
+    grad_params: Sequence[torch.Tensor | None] = ()
+    grad_extra_inputs: Sequence[torch.Tensor | None] = ()
+
+
+class FusedForward(NamedTuple):
+    """What ``fuser_forward`` returns: the output and, per basic op, its extra outputs."""
+
+    output: torch.Tensor
+    extra_outputs: list[tuple[torch.Tensor, ...]]
+
+
+class FusedBackward(NamedTuple):
+    """What ``fuser_backward`` returns; both lists hold one entry per basic op, in order."""
+
+    grad_input: torch.Tensor | None
+    grad_params: list[Sequence[torch.Tensor | None]]
+    grad_extra_inputs: list[Sequence[torch.Tensor | None]]
 
 
 class OperationContext:
@@ -98,7 +125,7 @@ class FusibleOperation:
         *,
         basic_op_extra_inputs: list[tuple[Any, ...]],
         basic_op_kwargs: list[dict[str, Any]],
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+    ) -> FusedForward:
         """Forward; returns the output and each basic op's extra outputs."""
         raise NotImplementedError(f"{type(self).__name__} has no forward implementation")
 
@@ -108,7 +135,7 @@ class FusibleOperation:
         grad_output: torch.Tensor,
         *,
         basic_op_grad_extra_outputs: list[tuple[torch.Tensor | None, ...]],
-    ) -> tuple[torch.Tensor | None, list[list[torch.Tensor | None]], list[tuple[torch.Tensor | None, ...]]]:
+    ) -> FusedBackward:
         """Backward; returns grad input, each basic op's param grads and extra-input grads."""
         raise NotImplementedError(f"{type(self).__name__} has no backward implementation")
 
@@ -166,7 +193,7 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, *extra_inputs: Any, **kwargs: Any):
         raise NotImplementedError(f"{type(self).__name__}.op_forward")
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         raise NotImplementedError(f"{type(self).__name__}.op_backward")
 
     def preflight(
@@ -194,25 +221,26 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
             raise TypeError(f"{self.op_name()} got unexpected kwarg(s) {unknown}; it accepts {accepted}")
 
     # ------------------------------------------------------------ fuser interface
-    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs) -> FusedForward:
         output = self.op_forward(basic_op_ctxs[0], input_, *basic_op_extra_inputs[0], **basic_op_kwargs[0])
-        return output, [()]
+        return FusedForward(output, [()])
 
-    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs) -> FusedBackward:
         result = self.op_backward(basic_op_ctxs[0], grad_output)
-        if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+        if isinstance(result, tuple) and not isinstance(result, OpBackward) and len(result) in (2, 3):
+            result = OpBackward(*result)  # a plain tuple from an op written before OpBackward
+        if not isinstance(result, OpBackward):
             got = (
                 f"{type(result).__name__} of {len(result)}"
                 if isinstance(result, (tuple, list))
                 else type(result).__name__
             )
             raise TypeError(
-                f"{type(self).__name__}.op_backward returned {got}; expected (grad_input, [parameter "
-                "gradients]) or (grad_input, [parameter gradients], (extra-input gradients,))"
+                f"{type(self).__name__}.op_backward returned {got}; expected OpBackward(grad_input, "
+                "grad_params, grad_extra_inputs) (or a (grad_input, [parameter gradients]) tuple)"
             )
-        grad_input, grad_params = result[0], result[1]
-        grad_extra_inputs = tuple(result[2]) if len(result) > 2 else (None,) * self.num_extra_inputs
-        return grad_input, [list(grad_params)], [grad_extra_inputs]
+        grad_extra_inputs = tuple(result.grad_extra_inputs) or (None,) * self.num_extra_inputs
+        return FusedBackward(result.grad_input, [list(result.grad_params)], [grad_extra_inputs])
 
     # ------------------------------------------------------------ direct call
     def forward(self, input_: torch.Tensor, *extra_inputs: Any, **kwargs: Any):
@@ -229,6 +257,18 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
 
 class FusedOperation(FusibleOperation):
     """Stateless replacement for a run of basic ops; uses their parameters.
+
+    The equivalence contract, by the kind of rule that builds it (``register_fusion``):
+
+    - ``forward``: ``fuser_forward`` computes what the basic ops' forwards compute and
+      fills each basic op's context exactly as they would (the basic ops' backwards run);
+    - ``backward``: ``fuser_backward`` reads the contexts the basic forwards filled and
+      returns what the basic ops' backwards return;
+    - ``joint``: both methods; forward may save its own, smaller state for its own backward.
+
+    In every case the results equal the unfused ops' (to rounding), every basic op's
+    kwargs are honoured or the build declines, and the returns are :class:`FusedForward`
+    and :class:`FusedBackward` with one entry per basic op (the fuser checks).
 
     ``backend`` names the kernel backend chosen when the plan was made (or None);
     ``note`` says anything else the plan should show (skipped backends, copies).

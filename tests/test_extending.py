@@ -210,6 +210,6 @@ def test_op_backward_with_the_wrong_structure_names_the_op():
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(
         TypeError,
-        match=r"Doubler.op_backward returned Tensor; expected \(grad_input, \[parameter gradients\]\)",
+        match=r"Doubler.op_backward returned Tensor; expected OpBackward\(grad_input, grad_params, grad_extra_inputs\)",
     ):
         fo.Sequential(Doubler())(x).sum().backward()

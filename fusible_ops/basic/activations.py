@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.activation import ActivationSpec, activation_backward, activation_forward
-from ..op import BasicOperation, OperationContext, TensorMeta
+from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
 
 
 def check_activation_input(op_name: str, spec: ActivationSpec, meta: TensorMeta) -> TensorMeta:
@@ -54,8 +54,8 @@ class Activation(BasicOperation):
             ctx.save_for_backward(input=input_)
         return activation_forward(self.spec, input_)
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        return activation_backward(self.spec, ctx.saved["input"], grad_output), []
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
+        return OpBackward(activation_backward(self.spec, ctx.saved["input"], grad_output))
 
 
 class ReLU(Activation):

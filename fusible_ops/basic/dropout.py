@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..op import BasicOperation, OperationContext
+from ..op import BasicOperation, OpBackward, OperationContext
 
 
 class Dropout(BasicOperation):
@@ -29,6 +29,6 @@ class Dropout(BasicOperation):
             ctx.save_for_backward(mask=mask)
         return input_ * mask
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         mask = ctx.saved["mask"]
-        return (grad_output if mask is None else grad_output * mask), []
+        return OpBackward(grad_output if mask is None else grad_output * mask)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..op import BasicOperation, OperationContext
+from ..op import BasicOperation, FusedBackward, FusedForward, OpBackward, OperationContext
 
 
 class AddExtraInput(BasicOperation):
@@ -30,8 +30,8 @@ class AddExtraInput(BasicOperation):
         ctx.extra_requires_grad = extra.requires_grad
         return input_ + extra
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        return grad_output, [], (grad_output if ctx.extra_requires_grad else None,)
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
+        return OpBackward(grad_output, (), (grad_output if ctx.extra_requires_grad else None,))
 
 
 class MakeExtraOutput(BasicOperation):
@@ -39,10 +39,10 @@ class MakeExtraOutput(BasicOperation):
 
     num_extra_outputs = 1
 
-    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
-        return input_, [(input_,)]
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs) -> FusedForward:
+        return FusedForward(input_, [(input_,)])
 
-    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs) -> FusedBackward:
         (grad_extra,) = basic_op_grad_extra_outputs[0]
         grad_input = grad_output if grad_extra is None else grad_output + grad_extra
-        return grad_input, [[]], [()]
+        return FusedBackward(grad_input, [[]], [()])

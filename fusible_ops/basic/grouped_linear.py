@@ -11,7 +11,7 @@ from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, val
 from ..dtypes import cast, compute_dtype
 from ..kernels import GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
-from ..op import BasicOperation, OperationContext, TensorMeta, check_sizes
+from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from ..settings import current_settings
 from ..splits import SplitInfo, check_split_sizes, to_split_info
 
@@ -162,7 +162,7 @@ class GroupedLinear(BasicOperation):
             ctx.compute_dtype = dtype
         return y.view(out_shape)
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         saved = ctx.saved
         backend: GroupedGemmBackend = ctx.backend
         weight_param, bias_param = ctx.params["weight"], ctx.params["bias"]
@@ -181,4 +181,4 @@ class GroupedLinear(BasicOperation):
         if ctx.needs_param_grad("bias"):
             grad_bias = cast(kernel_ops.bias_grad(backend, dy, splits, self.num_groups), bias_param.dtype)
         params = [grad_weight] if bias_param is None else [grad_weight, grad_bias]
-        return grad_input, params, (None,)
+        return OpBackward(grad_input, params, (None,))

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..dtypes import cast, compute_dtype
-from ..op import BasicOperation, OperationContext, TensorMeta, check_sizes
+from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from .grouped_linear import check_float_input
 from .linear_dispatch import tp_linear_forward
 
@@ -50,7 +50,7 @@ class BasicLinear(BasicOperation):
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
         return linear_forward(ctx, self, input_, None)
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         x, weight = ctx.saved["input"], ctx.params["weight"]
         if _is_dtensor(weight):
             return _autograd_linear_backward(ctx, x, weight, grad_output)
@@ -62,7 +62,7 @@ class BasicLinear(BasicOperation):
         if ctx.needs_param_grad("weight"):
             dy2d = dy.reshape(-1, self.out_features)
             grad_weight = cast(dy2d.t() @ x.reshape(-1, self.in_features), weight.dtype)
-        return grad_input, [grad_weight]
+        return OpBackward(grad_input, [grad_weight])
 
 
 def linear_forward(
@@ -97,7 +97,7 @@ def _autograd_linear_backward(ctx, x, weight, grad_output):
         grads = iter(torch.autograd.grad(y, wanted, grad_output) if wanted else ())
     grad_input = next(grads) if x_leaf.requires_grad else None
     grad_weight = next(grads) if w_leaf.requires_grad else None
-    return grad_input, [grad_weight]
+    return OpBackward(grad_input, [grad_weight])
 
 
 class Bias(BasicOperation):
@@ -132,8 +132,8 @@ class Bias(BasicOperation):
             bias = cast(bias, input_.dtype)  # keep autocast's dtype, as torch.nn.Linear does
         return input_ + bias
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         grad_bias = None
         if ctx.needs_param_grad("bias"):
             grad_bias = cast(grad_output.reshape(-1, self.features).sum(0), ctx.params["bias"].dtype)
-        return grad_output, [grad_bias]
+        return OpBackward(grad_output, [grad_bias])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..op import BasicOperation, OperationContext, TensorMeta
+from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
 
 
 class _Norm(BasicOperation):
@@ -37,7 +37,7 @@ class _Norm(BasicOperation):
             ctx.save_for_backward(input=input_)
         return self._norm(input_, [t for t in ctx.params.values() if t is not None])
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         params = {n: t for n, t in ctx.params.items() if t is not None}
         with torch.enable_grad():
             x = ctx.saved["input"].detach().requires_grad_(ctx.input_requires_grad)
@@ -47,7 +47,7 @@ class _Norm(BasicOperation):
             grads = iter(torch.autograd.grad(y, wanted, grad_output)) if wanted else iter(())
         grad_input = next(grads) if x.requires_grad else None
         grad_params = [next(grads) if leaf.requires_grad else None for leaf in leaves]
-        return grad_input, grad_params
+        return OpBackward(grad_input, grad_params)
 
 
 class RMSNorm(_Norm):

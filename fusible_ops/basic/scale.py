@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.activation import row_dot
-from ..op import BasicOperation, OperationContext
+from ..op import BasicOperation, OpBackward, OperationContext
 from .scaled_activations import check_row_scales
 
 
@@ -22,8 +22,8 @@ class ConstantScale(BasicOperation):
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
         return input_ * self.scale
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        return grad_output * self.scale, []
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
+        return OpBackward(grad_output * self.scale)
 
 
 class Scale(BasicOperation):
@@ -49,7 +49,7 @@ class Scale(BasicOperation):
             ctx.scales_requires_grad = scales.requires_grad
         return (x * flat_scales.to(x.dtype).unsqueeze(-1)).view(input_.shape)
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         scales = ctx.saved["scales"]
         grad_input = (dy * scales.to(dy.dtype).unsqueeze(-1)).view(ctx.input_shape)
@@ -57,4 +57,4 @@ class Scale(BasicOperation):
         if ctx.scales_requires_grad:
             x = ctx.saved["input"]
             grad_scales = row_dot(x, dy, scales.dtype).view(ctx.scales_shape)
-        return grad_input, [], (grad_scales,)
+        return OpBackward(grad_input, (), (grad_scales,))

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..kernels.activation import ActivationSpec, scaled_activation_backward, scaled_activation_forward
-from ..op import BasicOperation, OperationContext, TensorMeta
+from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
 from .activations import check_activation_input
 
 
@@ -67,13 +67,13 @@ class ScaledActivation(BasicOperation):
             ctx.scales_requires_grad = scales.requires_grad
         return out.view(*input_.shape[:-1], out.shape[-1])
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         grad_input, grad_scales = scaled_activation_backward(
             self.spec, ctx.saved["input"], ctx.saved["scales"], dy
         )
         grad_scales = grad_scales.view(ctx.scales_shape) if ctx.scales_requires_grad else None
-        return grad_input.view(ctx.input_shape), [], (grad_scales,)
+        return OpBackward(grad_input.view(ctx.input_shape), (), (grad_scales,))
 
 
 class ScaledSwiGLU(ScaledActivation):

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..op import BasicOperation, OperationContext, TensorMeta
+from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
 
 
 class Identity(BasicOperation):
@@ -15,8 +15,8 @@ class Identity(BasicOperation):
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
         return input_
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        return grad_output, []
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
+        return OpBackward(grad_output)
 
 
 class Reshape(BasicOperation):
@@ -45,5 +45,5 @@ class Reshape(BasicOperation):
         ctx.input_shape = input_.shape
         return input_.reshape(self.shape)
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        return grad_output.reshape(ctx.input_shape), []
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
+        return OpBackward(grad_output.reshape(ctx.input_shape))

@@ -16,13 +16,13 @@ from ..basic.linear import BasicLinear, Bias, _is_dtensor, linear_forward
 from ..dtypes import cast
 from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels.activation import activation_backward, activation_forward
-from ..op import BasicOperation, FusedOperation
+from ..op import BasicOperation, FusedBackward, FusedForward, FusedOperation
 
 
 class ForwardLinearBiasActivation(FusedOperation):
     """Forward of ``BasicLinear -> Bias [-> Activation]`` with the bias folded into the GEMM."""
 
-    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs) -> FusedForward:
         linear = self.basic_ops[0]
         # tp_linear_forward with the bias: addmm in eager, bias kept out of the mm under async TP
         y = linear_forward(basic_op_ctxs[0], linear, input_, basic_op_ctxs[1].params["bias"])
@@ -31,13 +31,13 @@ class ForwardLinearBiasActivation(FusedOperation):
             if act_ctx.requires_grad:
                 act_ctx.save_for_backward(input=y)
             y = activation_forward(self.basic_ops[2].spec, y)
-        return y, [()] * len(self.basic_ops)
+        return FusedForward(y, [()] * len(self.basic_ops))
 
 
 class BackwardBiasActivation(FusedOperation):
     """Backward of ``Bias -> Activation``: grad of the activation input and of the bias in one pass."""
 
-    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs) -> FusedBackward:
         bias, activation = self.basic_ops
         grad_pre = activation_backward(activation.spec, basic_op_ctxs[1].saved["input"], grad_output)
         grad_bias = None
@@ -45,7 +45,7 @@ class BackwardBiasActivation(FusedOperation):
             grad_bias = cast(
                 grad_pre.reshape(-1, bias.features).sum(0), basic_op_ctxs[0].params["bias"].dtype
             )
-        return grad_pre, [[grad_bias], []], [(), ()]
+        return FusedBackward(grad_pre, [[grad_bias], []], [(), ()])
 
 
 def _dense_reason(context: FusionContext, ops: list[BasicOperation]) -> str | None:

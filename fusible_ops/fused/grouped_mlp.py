@@ -25,7 +25,7 @@ from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.activation import ActivationSpec
-from ..op import BasicOperation, FusedOperation, OperationContext
+from ..op import BasicOperation, FusedBackward, FusedForward, FusedOperation, OperationContext
 from ..splits import SplitInfo, to_split_info
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "srelu")
@@ -57,7 +57,7 @@ class GroupedMLP(FusedOperation):
         return 3 if self.scale_after_fc2 else 1
 
     # ------------------------------------------------------------ forward
-    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs):
+    def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs) -> FusedForward:
         fc1, fc2 = self.fc1, self.fc2
         ctx1: OperationContext = basic_op_ctxs[0]
         p1, p2 = basic_op_ctxs[0].params, basic_op_ctxs[2].params
@@ -88,10 +88,10 @@ class GroupedMLP(FusedOperation):
             ctx1.scales_shape = scales_in.shape
             ctx1.scales_requires_grad = scales_in.requires_grad
         extra_outputs = [()] * len(basic_op_ctxs)
-        return y.view(out_shape), extra_outputs
+        return FusedForward(y.view(out_shape), extra_outputs)
 
     # ------------------------------------------------------------ backward
-    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs) -> FusedBackward:
         fc1, fc2 = self.fc1, self.fc2
         ctx1: OperationContext = basic_op_ctxs[0]
         ctx2: OperationContext = basic_op_ctxs[2]
@@ -127,7 +127,7 @@ class GroupedMLP(FusedOperation):
             grad_extra.append((grad_scales,))
         else:
             grad_extra[1] = (grad_scales,)
-        return grad_input, grad_params, grad_extra
+        return FusedBackward(grad_input, grad_params, grad_extra)
 
 
 def _param_grads(params: dict, grad_weight, grad_bias) -> list:
