@@ -372,3 +372,47 @@ def test_scaled_activation_property(kind, rows, half, interleave):
     scales = torch.rand(rows, dtype=torch.float64)
     expected = reference_activation(kind, x, interleave) * scales[:, None]
     torch.testing.assert_close(op(x, scales), expected, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- regressions found in review
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_autocast_dense_linear(fusion):
+    lin = fo.Sequential(fo.BasicLinear(8, 6), fo.Bias(6), fo.GELU())
+    ref = torch.nn.Linear(8, 6)
+    with torch.no_grad():
+        ref.weight.copy_(lin[0].weight)
+        ref.bias.copy_(lin[1].bias)
+    x = torch.randn(4, 8, requires_grad=True)
+    with fo.settings(fusion=fusion), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+        y_ref = torch.nn.functional.gelu(ref(x), approximate="tanh")
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref)
+    y.float().sum().backward()
+    assert lin[0].weight.grad.dtype == torch.float32 and lin[1].bias.grad.dtype == torch.float32
+
+
+def test_add_extra_input_dtype_mismatch_rejected_before_any_write():
+    seq = fo.Sequential(fo.GroupedLinear(2, 8, 8), fo.AddExtraInput(), fo.GroupedLinear(2, 8, 8))
+    buf0 = torch.full((5, 8), 7.0)
+    with pytest.raises(ValueError, match="AddExtraInput"):
+        seq(
+            torch.randn(5, 8),
+            [2, 3],
+            torch.randn(5, 8, dtype=torch.float64),
+            [2, 3],
+            op_kwargs={0: {fo.OUTPUT_BUFFER_KEY: buf0}},
+        )
+    assert bool((buf0 == 7.0).all())
+
+
+@pytest.mark.parametrize("value", [4.0, "4", True, None])
+def test_constructor_sizes_must_be_ints(value):
+    with pytest.raises(TypeError, match="GroupedLinear: num_groups must be an int"):
+        fo.GroupedLinear(value, 4, 4)
+    with pytest.raises(TypeError, match="BasicLinear: in_features must be an int"):
+        fo.BasicLinear(value, 4)
+    with pytest.raises(TypeError, match="Bias: features must be an int"):
+        fo.Bias(value)

@@ -4,6 +4,8 @@ saved tensors going through autograd's saved-tensor hooks, and explain() computi
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import reference_ops as ref
@@ -525,3 +527,126 @@ def test_last_plan_is_the_plan_of_this_threads_call():
         t.join()
     assert not errors, errors[0]
     assert seen == {"on": True, "off": False}
+
+
+# ---------------------------------------------------------------- regressions found in review
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fo.Sequential(fo.ReLU(), fo.BasicLinear(8, 4)),
+        lambda: fo.Sequential(fo.LayerNorm(8), fo.BasicLinear(8, 4)),
+        lambda: fo.Sequential(fo.Dropout(0.5), fo.BasicLinear(8, 4)),
+    ],
+)
+def test_backward_when_the_first_ops_need_no_grad(make):
+    seq = make()
+    x = torch.randn(5, 8)  # plain data: no grad needed before the linear
+    for p in seq[0].parameters():
+        p.requires_grad_(False)
+    seq(x).sum().backward()
+    assert seq[1].weight.grad is not None
+
+
+def test_frozen_first_grouped_linear():
+    seq = fo.Sequential(fo.GroupedLinear(2, 8, 6), fo.ReLU(), fo.GroupedLinear(2, 6, 4))
+    seq[0].weight.requires_grad_(False)
+    seq(torch.randn(5, 8), [2, 3], [2, 3]).sum().backward()
+    assert seq[0].weight.grad is None and seq[2].weight.grad is not None
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_outputs_can_be_modified_in_place(fusion):
+    seq = fo.Sequential(fo.GroupedLinear(2, 8, 12), fo.ScaledSwiGLU(), fo.GroupedLinear(2, 6, 8))
+    x = torch.randn(5, 8, requires_grad=True)
+    buf = torch.zeros(6, 8)
+    with fo.settings(fusion=fusion):
+        out = seq(x, [2, 3], torch.rand(5), [2, 3], op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: buf}})
+    out.add_(1.0)  # e.g. a residual added in place, as with torch.nn.Linear
+    assert out.data_ptr() == buf.data_ptr()
+    out.sum().backward()
+    assert x.grad is not None
+
+
+def test_direct_call_leaves_no_reference_cycle():
+    op = fo.GroupedLinear(2, 4, 4)
+    op(torch.randn(3, 4), [1, 2])
+    ref = weakref.ref(op.weight)
+    gc.disable()
+    try:
+        del op
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_parameter_modified_between_forward_and_backward_is_an_error():
+    lin = fo.GroupedLinear(2, 4, 4)
+    y = lin(torch.randn(3, 4, requires_grad=True), [1, 2])
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_unfreezing_a_parameter_between_forward_and_backward_is_an_error(fusion):
+    torch.manual_seed(0)
+    seq = fo.Sequential(fo.GroupedLinear(2, 4, 8), fo.ScaledSwiGLU(), fo.GroupedLinear(2, 4, 4))
+    seq[0].weight.requires_grad_(False)
+    x = torch.randn(3, 4, requires_grad=True)
+    probs = torch.rand(3)
+    grad_buf = torch.full((3, 4), 7.0)
+    optimizer = torch.optim.Adam(seq.parameters())
+    for p in seq.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # the optimizer holds state
+    optimizer.zero_grad(set_to_none=True)
+    state_before = [v.clone() for st in optimizer.state.values() for v in st.values()]
+    params_before = [p.detach().clone() for p in seq.parameters()]
+    with fo.settings(fusion=fusion):
+        y = seq(x, [1, 2], probs, [1, 2], op_kwargs={0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}})
+    seq[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="GroupedLinear: parameter 'weight' was set to require grad after"):
+        y.sum().backward()
+    assert torch.all(grad_buf == 7.0) and x.grad is None
+    assert all(torch.equal(a, b) for a, b in zip(seq.parameters(), params_before))
+    state_after = [v for st in optimizer.state.values() for v in st.values()]
+    assert all(torch.equal(a, b) for a, b in zip(state_after, state_before))
+    assert seq[0].weight.grad is None and seq[2].weight.grad is None
+    with fo.settings(fusion=fusion):  # the next call, with the flag set before forward, works
+        seq(x, [1, 2], probs, [1, 2]).sum().backward()
+    assert seq[0].weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("where", ["input", "split sizes"])
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_meta_and_sparse_tensors_get_a_clear_error(where, kind):
+    torch.manual_seed(0)
+    lin = fo.GroupedLinear(2, 4, 4)
+    weight = lin.weight.detach().clone()
+    x, splits = torch.randn(3, 4), torch.tensor([1, 2])
+    bad = {"input": x, "split sizes": splits}[where]
+    bad = bad.to("meta") if kind == "meta" else bad.to_sparse()
+    x, splits = (bad, splits) if where == "input" else (x, bad)
+    out_buf = torch.full((3, 4), 7.0)
+    match = "meta tensor" if kind == "meta" else "layout torch.sparse_coo"
+    with pytest.raises(ValueError, match=f"GroupedLinear: .*{match}"):
+        lin(x, splits, output=out_buf)
+    assert torch.all(out_buf == 7.0) and torch.equal(lin.weight, weight)
+    assert lin(torch.randn(3, 4), [1, 2], output=out_buf).data_ptr() == out_buf.data_ptr()
+
+
+def test_split_sizes_written_through_numpy_between_calls_are_read_again():
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    lin = fo.GroupedLinear(2, 4, 4)
+    x = torch.randn(4, 4)
+    sizes_np = np.array([1, 3])
+    splits = torch.from_numpy(sizes_np)  # shares memory: numpy writes bump no version counter
+    lin(x, splits)
+    sizes_np[:] = [3, 1]
+    got = lin(x, splits)
+    want = torch.cat([x[:3] @ lin.weight[0].T, x[3:] @ lin.weight[1].T]).detach()
+    torch.testing.assert_close(got, want)

@@ -309,3 +309,67 @@ def test_backend_size_rules_are_checked_at_plan_time():
     y = seq(x, [2, 3], probs, [2, 3])  # automatic selection picks a backend that takes these sizes
     assert y.shape == (5, 6)
     assert "backend cpu" in str(seq.last_plan)
+
+
+# ---------------------------------------------------------------- regressions found in review
+
+
+def test_scale_after_fc2_with_fc2_buffer_declines_and_matches_unfused():
+    seq = fo.Sequential(fo.GroupedLinear(2, 8, 12), fo.SwiGLU(), fo.GroupedLinear(2, 6, 8), fo.Scale())
+    x, probs = torch.randn(5, 8), torch.rand(5)
+    bufs = [torch.zeros(5, 8), torch.zeros(5, 8)]
+    outs = []
+    for fusion, buf in zip((True, False), bufs):
+        with fo.settings(fusion=fusion):
+            outs.append(seq(x, [2, 3], [2, 3], probs, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: buf}}))
+    assert "output buffer requested on fc2 with Scale after it" in str(
+        seq.explain(x, [2, 3], [2, 3], probs, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: bufs[0]}})
+    )
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(bufs[0], bufs[1])
+
+
+def test_scale_after_fc2_saves_no_more_than_input_fc1_output_scales():
+    seq = fo.Sequential(
+        fo.GroupedLinear(4, 64, 192, bias=True),
+        fo.SwiGLU(),
+        fo.GroupedLinear(4, 96, 64, bias=True),
+        fo.Scale(),
+    )
+    x = torch.randn(512, 64, requires_grad=True)
+    probs = torch.rand(512, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in seq.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    splits = torch.tensor([100, 0, 300, 112])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = seq(x, splits, splits, probs)
+    assert seq.last_plan.groups[0].forward_op_types() == ["GroupedMLP"]
+    assert sum(seen.values()) <= (512 * 64 + 512 * 192 + 512) * 4 + 4 * 4
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_grouped_mm_backend_zero_rows(fusion):
+    seq = fo.Sequential(fo.GroupedLinear(3, 16, 32), fo.ScaledSwiGLU(), fo.GroupedLinear(3, 16, 16))
+    x = torch.randn(0, 16, requires_grad=True)
+    with fo.settings(backend="grouped_mm", fusion=fusion):
+        y = seq(x, [0, 0, 0], torch.rand(0), [0, 0, 0])
+        y.sum().backward()
+    assert float(seq[0].weight.grad.abs().sum()) == 0.0
+
+
+def test_inf_in_one_expert_stays_in_that_expert():
+    lin = fo.GroupedLinear(4, 8, 8)
+    with torch.no_grad():
+        lin.weight[3].fill_(float("inf"))  # expert 3 receives no rows
+    x = torch.randn(6, 8, requires_grad=True)
+    y = lin(x, [2, 2, 2, 0])
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert torch.isfinite(lin.weight.grad[:3]).all()
