@@ -217,8 +217,7 @@ class OperationFuser(HookedSegments):
     def _make_plan(self, context: FusionContext) -> FusionPlan:
         base = []
         for i, op in enumerate(self.ops):
-            describe = getattr(op, "plan_backend", None)
-            base.append(PlanEntry(op, (i,), describe(context.device, context.dtype) if describe else None))
+            base.append(PlanEntry(op, (i,), op.plan_backend(context.device, context.dtype)))
         forward = backward = base
         if context.settings.fusion:
             context.kind = "joint"

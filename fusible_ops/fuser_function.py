@@ -173,6 +173,8 @@ def run_forward(
     for entry in plan.forward:
         idx = entry.indices
         input_shapes[idx[0]] = tuple(x.shape)
+        if isinstance(entry.op, BasicOperation):
+            ctxs[idx[0]].backend_choice = entry.backend  # what the plan shows is what runs
         result = entry.op.fuser_forward(
             [ctxs[i] for i in idx],
             x,

@@ -115,8 +115,7 @@ class HookedSegments:
             first = indices[0]
             if fuser is None:
                 op = self.ops[first]
-                describe = getattr(op, "plan_backend", None)
-                entry = PlanEntry(op, (first,), describe(device, dtype) if describe else None)
+                entry = PlanEntry(op, (first,), op.plan_backend(device, dtype))
                 forward.append(entry)
                 backward.append(entry)
                 decisions.append(

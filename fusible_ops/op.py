@@ -77,6 +77,8 @@ class OperationContext:
         self.params: dict[str, torch.Tensor | None] = {}
         self.param_requires_grad: dict[str, bool] = {}
         self.grad_input_buffer: torch.Tensor | None = None
+        #: the plan entry's backend choice for this op (see BasicOperation.plan_backend)
+        self.backend_choice: Any = None
         self.to_save: tuple[torch.Tensor | None, ...] = ()
         self.to_save_named: dict[str, torch.Tensor | None] = {}
         self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
@@ -178,6 +180,14 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
                 names += tuple(n for n in parametrized if n not in names)
         return {name: getattr(self, name) for name in names}
 
+    def plan_backend(self, device: torch.device, dtype: torch.dtype) -> Any:
+        """The kernel backend this op would run with (a ``BackendChoice``), or None.
+
+        The fuser puts it in the plan entry and hands it to the op for the call
+        (``ctx.backend_choice``), so the plan shows what runs.
+        """
+        return None
+
     def hook_reason(self) -> str | None:
         """Why this op must run alone through ``nn.Module.__call__`` (it has hooks), or None."""
         kinds = []
@@ -270,14 +280,20 @@ class FusedOperation(FusibleOperation):
     kwargs are honoured or the build declines, and the returns are :class:`FusedForward`
     and :class:`FusedBackward` with one entry per basic op (the fuser checks).
 
-    ``backend`` names the kernel backend chosen when the plan was made (or None);
+    ``backend``: the kernel backend chosen when the plan was made: the ``BackendChoice``
+    from ``select_backend`` (kept as ``choice``, what runs), a name, or None;
     ``note`` says anything else the plan should show (skipped backends, copies).
     """
 
-    def __init__(
-        self, basic_ops: Sequence[BasicOperation], *, backend: str | None = None, note: str = ""
-    ) -> None:
+    def __init__(self, basic_ops: Sequence[BasicOperation], *, backend: Any = None, note: str = "") -> None:
         self.basic_ops = tuple(basic_ops)
-        self.backend = backend
+        #: the backend choice this op runs with (None when it names no choice)
+        self.choice = None if backend is None or isinstance(backend, str) else backend
+        self._backend_name = backend if isinstance(backend, str) else None
         #: shown in the plan next to the decision that built this op (e.g. skipped backends)
         self.note = note
+
+    @property
+    def backend(self) -> str | None:
+        """The name of the backend this op runs with (what the plan shows)."""
+        return self.choice.name if self.choice is not None else self._backend_name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .op import BasicOperation, FusibleOperation
 
@@ -13,12 +14,15 @@ class PlanEntry:
 
     op: FusibleOperation
     indices: tuple[int, ...]
-    #: kernel backend a basic op will use (fused ops carry their own ``backend``)
-    backend: str | None = None
+    #: the ``BackendChoice`` a basic op runs with, handed to it for the call (fused ops
+    #: carry their own); a name or None for ops without kernels
+    backend: Any = None
 
     @property
     def backend_name(self) -> str | None:
-        return self.backend if isinstance(self.op, BasicOperation) else getattr(self.op, "backend", None)
+        if not isinstance(self.op, BasicOperation):
+            return getattr(self.op, "backend", None)
+        return getattr(self.backend, "name", self.backend)
 
     def describe(self, names: list[str], first_index: int = 0) -> str:
         """``names``: the group's op names; ``first_index``: the group's first op in its

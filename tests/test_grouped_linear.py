@@ -219,3 +219,24 @@ def test_random_splits_property(split_sizes, bias, leading):
     torch.testing.assert_close(x.grad, x_ref.grad)
     torch.testing.assert_close(op.weight.grad, w_ref.grad)
 
+
+def test_the_backend_in_the_plan_entry_is_what_runs(monkeypatch):
+    """One source of truth: the plan entry carries the BackendChoice; the call runs it."""
+    import fusible_ops.basic.grouped_linear as grouped_linear_module
+
+    seq = fo.Sequential(fo.GroupedLinear(4, 8, 16))
+    x, splits = torch.randn(10, 8, requires_grad=True), [3, 0, 4, 3]
+    seq(x, splits)
+    entry = seq.last_plan.fusion_plans[0].forward[0]
+    choice = entry.backend
+    assert choice.name == entry.backend_name and choice.backend.name == entry.backend_name
+    ran = []
+    original = choice.backend.fprop
+    monkeypatch.setattr(choice.backend, "fprop", lambda *a, **k: ran.append(1) or original(*a, **k))
+
+    def no_reselection(*args, **kwargs):
+        raise AssertionError("the backend was selected again at run time")
+
+    monkeypatch.setattr(grouped_linear_module, "select_backend", no_reselection)
+    seq(x, splits).sum().backward()  # the cached plan: nothing is selected again
+    assert ran == [1]

@@ -9,7 +9,7 @@ import torch
 
 from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, validate_or_alloc_rows
 from ..dtypes import cast, compute_dtype
-from ..kernels import GroupedGemmBackend, select_backend
+from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
 from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from ..settings import current_settings
@@ -108,13 +108,10 @@ class GroupedLinear(BasicOperation):
         )
 
     # ------------------------------------------------------------ planning / checks
-    def backend_for(self, device: torch.device, dtype: torch.dtype) -> GroupedGemmBackend:
+    def plan_backend(self, device: torch.device, dtype: torch.dtype) -> BackendChoice:
         features = ((self.in_features, self.out_features),)
         forced = current_settings().backend
-        return select_backend(device, dtype, purpose="gemm", forced=forced, features=features).backend
-
-    def plan_backend(self, device: torch.device, dtype: torch.dtype) -> str:
-        return self.backend_for(device, dtype).name
+        return select_backend(device, dtype, purpose="gemm", forced=forced, features=features)
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         name = self.op_name()
@@ -145,7 +142,7 @@ class GroupedLinear(BasicOperation):
         x = cast(input_.reshape(-1, self.in_features), dtype)
         weight, bias = cast(weight_param, dtype), cast(ctx.params["bias"], dtype)
         splits = to_split_info(split_sizes, x.shape[0], x.device)
-        backend = self.backend_for(x.device, x.dtype)
+        backend: GroupedGemmBackend = ctx.backend_choice.backend  # the plan's choice
         out_shape = (*input_.shape[:-1], self.out_features)
         out2d = buffer_rows(output, x.shape[0], self.out_features)  # checked in preflight
         y = kernel_ops.fprop(backend, x, weight, splits, bias=bias, out=out2d)

@@ -22,7 +22,7 @@ from ..basic.scaled_activations import ScaledActivation
 from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows
 from ..dtypes import cast, compute_dtype
 from ..fusion_rules import FusionContext, register_fusion, window_rule
-from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
+from ..kernels import BackendChoice, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.activation import ActivationSpec
 from ..op import BasicOperation, FusedBackward, FusedForward, FusedOperation, OperationContext
@@ -34,19 +34,18 @@ SUPPORTED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "srelu")
 class GroupedMLP(FusedOperation):
     """fc1 -> (scaled) activation -> fc2 (-> Scale), computed by one kernel backend.
 
-    ``scale_after_fc2`` selects the second pattern. The chosen backend (``backend``)
-    is fixed when the plan is made.
+    ``scale_after_fc2`` selects the second pattern. The backend choice (``choice``;
+    ``backend`` is its name) is fixed when the plan is made and is what runs.
     """
 
     def __init__(
         self,
         basic_ops: list[BasicOperation],
-        backend: GroupedGemmBackend,
+        choice: BackendChoice,
         *,
         scale_after_fc2: bool,
     ) -> None:
-        super().__init__(basic_ops, backend=backend.name)
-        self.kernels = backend
+        super().__init__(basic_ops, backend=choice)
         self.fc1: GroupedLinear = basic_ops[0]
         self.activation_op = basic_ops[1]
         self.fc2: GroupedLinear = basic_ops[2]
@@ -71,7 +70,7 @@ class GroupedMLP(FusedOperation):
         # buffers were checked in preflight: only the first rows are taken here
         out2d = buffer_rows(basic_op_kwargs[2].get(OUTPUT_BUFFER_KEY), x.shape[0], fc2.out_features)
         pre, y = kernel_ops.mlp_forward(
-            self.kernels, x, w1, b1, w2, b2, scales, splits, self.spec,
+            self.choice.backend, x, w1, b1, w2, b2, scales, splits, self.spec,
             scale_after_fc2=self.scale_after_fc2, out=out2d,
         )  # fmt: skip
         if any(c.requires_grad for c in basic_op_ctxs):
@@ -113,7 +112,7 @@ class GroupedMLP(FusedOperation):
         )
         out = buffer_rows(ctx1.grad_input_buffer, dy.shape[0], fc1.in_features) if needs[0] else None
         grad_input, grad_w1, grad_b1, grad_w2, grad_b2, grad_scales = kernel_ops.mlp_backward(
-            self.kernels, dy, saved["x"], saved["pre"], w1, w2, b2, saved["scales"], splits, self.spec,
+            self.choice.backend, dy, saved["x"], saved["pre"], w1, w2, b2, saved["scales"], splits, self.spec,
             scale_after_fc2=self.scale_after_fc2, needs=needs, grad_input_out=out,
         )  # fmt: skip
         if grad_input is not None:
@@ -200,7 +199,7 @@ def _build(scale_after_fc2: bool):
         choice = select_backend(
             context.device, context.dtype, purpose="mlp", forced=context.settings.backend, features=features
         )
-        fused = GroupedMLP(ops, choice.backend, scale_after_fc2=scale_after_fc2)
+        fused = GroupedMLP(ops, choice, scale_after_fc2=scale_after_fc2)
         fused.note = "; ".join(_plan_notes(context, choice, ops[1].spec, first, scale_after_fc2))
         return fused
 
