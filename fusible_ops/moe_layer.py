@@ -8,15 +8,16 @@ from torch import nn
 from .basic.grouped_linear import GroupedLinear
 from .basic.scaled_activations import ScaledClampedSwiGLU, ScaledGEGLU, ScaledSReLU, ScaledSwiGLU
 from .dtypes import compute_dtype
+from .kernels.activation import ACTIVATIONS, EXPERT_BLOCK_KINDS
 from .moe import SCORE_FUNCTIONS, ExpertPlacement, permute, topk_route, unpermute
 from .sequential import Sequential
 
-#: activation name -> (scaled activation class, fc1 outputs per ffn unit)
+#: activation name -> (scaled activation class, fc1 outputs per ffn unit), for every
+#: kind of the fused expert block in the activation table
 MOE_ACTIVATIONS = {
-    "swiglu": (ScaledSwiGLU, 2),
-    "geglu": (ScaledGEGLU, 2),
-    "clamped_swiglu": (ScaledClampedSwiGLU, 2),
-    "srelu": (ScaledSReLU, 1),
+    cls.kind: (cls, 2 if ACTIVATIONS[cls.kind].gated else 1)
+    for cls in (ScaledSwiGLU, ScaledGEGLU, ScaledClampedSwiGLU, ScaledSReLU)
+    if cls.kind in EXPERT_BLOCK_KINDS
 }
 
 

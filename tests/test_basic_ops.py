@@ -416,3 +416,37 @@ def test_constructor_sizes_must_be_ints(value):
         fo.BasicLinear(value, 4)
     with pytest.raises(TypeError, match="Bias: features must be an int"):
         fo.Bias(value)
+
+
+# ---------------------------------------------------------------- the activation table
+
+
+def test_the_activation_table_is_what_ops_rules_and_backends_use():
+    from fusible_ops.basic.activations import Activation
+    from fusible_ops.basic.scaled_activations import ScaledActivation
+    from fusible_ops.fused.grouped_mlp import SUPPORTED_ACTIVATIONS
+    from fusible_ops.kernels.activation import ACTIVATIONS, EXPERT_BLOCK_KINDS, ActivationSpec
+    from fusible_ops.kernels.cudnn_fe_adapter import glu_unsupported_reason
+    from fusible_ops.moe_layer import MOE_ACTIVATIONS
+
+    def op_classes(base):
+        found, pending = {}, [base]
+        while pending:
+            cls = pending.pop()
+            pending.extend(cls.__subclasses__())
+            if getattr(cls, "kind", ""):
+                found.setdefault(cls.kind, cls)
+        return found
+
+    # every kind has an op; every expert-block kind a scaled op, used by GroupedMLP and fo.MoE
+    assert set(op_classes(Activation)) == set(ACTIVATIONS)
+    assert set(op_classes(ScaledActivation)) == set(EXPERT_BLOCK_KINDS)
+    assert set(SUPPORTED_ACTIVATIONS) == set(MOE_ACTIVATIONS) == set(EXPERT_BLOCK_KINDS)
+    for kind, row in ACTIVATIONS.items():
+        spec = ActivationSpec(kind)
+        assert spec.gated == row.gated
+        assert op_classes(Activation)[kind]().spec.gated == row.gated
+        if row.gated:  # the cuDNN adapter agrees with the table on which GLUs it fuses
+            assert ("cudnn" in row.epilogue_backends) == (glu_unsupported_reason(spec) is None), kind
+        if kind in MOE_ACTIVATIONS:
+            assert MOE_ACTIVATIONS[kind][1] == (2 if row.gated else 1)

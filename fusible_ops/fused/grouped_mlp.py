@@ -24,11 +24,11 @@ from ..dtypes import cast, compute_dtype
 from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels import BackendChoice, select_backend
 from ..kernels import library as kernel_ops
-from ..kernels.activation import ActivationSpec
+from ..kernels.activation import EXPERT_BLOCK_KINDS, ActivationSpec
 from ..op import BasicOperation, FusedBackward, FusedForward, FusedOperation, OperationContext
 from ..splits import SplitInfo, to_split_info
 
-SUPPORTED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "srelu")
+SUPPORTED_ACTIVATIONS = EXPERT_BLOCK_KINDS  # read from the activation table
 
 
 class GroupedMLP(FusedOperation):

@@ -15,8 +15,46 @@ from dataclasses import dataclass
 
 import torch
 
-ACTIVATION_KINDS = ("relu", "gelu", "silu", "srelu", "swiglu", "geglu", "reglu", "clamped_swiglu")
-GATED_KINDS = ("swiglu", "geglu", "reglu", "clamped_swiglu")
+
+@dataclass(frozen=True)
+class ActivationKind:
+    """One row of the activation table that ops, rules, the MoE layer and backends read."""
+
+    #: the ``ActivationSpec.kind`` string
+    name: str
+    #: splits the last dim into gate and linear halves (the output has half the width)
+    gated: bool
+    #: the math, for docs and messages (the reference is :func:`activation_forward`)
+    math: str
+    #: the fused GroupedMLP (and so ``fo.MoE``) runs it; others decline with a reason
+    expert_block: bool
+    #: backends whose grouped-MLP kernels apply it in a GEMM epilogue (others: a separate pass)
+    epilogue_backends: tuple[str, ...]
+
+
+ACTIVATIONS: dict[str, ActivationKind] = {
+    k.name: k
+    for k in (
+        ActivationKind("relu", False, "max(x, 0)", False, ("triton",)),
+        ActivationKind("gelu", False, "gelu_tanh(x)", False, ("triton",)),
+        ActivationKind("silu", False, "x * sigmoid(x)", False, ("triton",)),
+        ActivationKind("srelu", False, "relu(x) ** 2", True, ("triton",)),
+        ActivationKind("swiglu", True, "silu(gate) * linear", True, ("triton", "cudnn", "cpu")),
+        ActivationKind("geglu", True, "gelu_tanh(gate) * linear", True, ("triton",)),
+        ActivationKind("reglu", True, "relu(gate) * linear", False, ("triton",)),
+        ActivationKind(
+            "clamped_swiglu",
+            True,
+            "min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clamp(linear, -limit, limit) + offset)",
+            True,
+            ("triton", "cudnn"),
+        ),
+    )
+}
+ACTIVATION_KINDS = tuple(ACTIVATIONS)
+GATED_KINDS = tuple(k for k, row in ACTIVATIONS.items() if row.gated)
+#: the activations of the fused expert block (GroupedMLP, fo.MoE)
+EXPERT_BLOCK_KINDS = tuple(k for k, row in ACTIVATIONS.items() if row.expert_block)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
