@@ -1,55 +1,176 @@
-"""Command line: ``python -m fusible_ops {demo,bench,info}``."""
+"""Command line: python -m fusible_ops {demo,bench,info}."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .cli.args import BENCH_DTYPES, UsageError, positive_int
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fusible_ops", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """\
+fusible-ops command line:
 
-    demo = sub.add_parser("demo", help="MoE expert block on synthetic tokens: check, plan, train, timings")
-    demo.add_argument("--steps", type=int, default=30, help="training steps of the small MoE regression")
+  demo    the MoE expert block end to end on the CPU: checked against a float64
+          reference, its fusion plan, a short training run, a small timing table
+  bench   the expert block fused vs unfused, a torch._grouped_mm composition,
+          a per-expert loop and the dense torch.mm bound
+  info    versions, devices and every kernel backend's availability
 
-    bench = sub.add_parser(
-        "bench", help="fused expert block vs unfused, grouped_mm, loop and the dense bound"
+Run "python -m fusible_ops COMMAND --help" for a command's flags."""
+
+
+BENCH_DESCRIPTION = """\
+Times the MoE expert block (GroupedLinear -> ScaledSwiGLU -> GroupedLinear) fused
+against its peers, one call of each variant per round, and prints the medians:
+
+  fused         fo.Sequential of the three ops, fusion on
+  unfused       the same Sequential under fo.settings(fusion=False)
+  grouped_mm    a torchtitan-style composition (torch._grouped_mm, silu(gate) * up *
+                probs, torch._grouped_mm) differentiated by autograd
+  loop          a per-expert eager loop of F.linear
+  dense         the bound: the same GEMMs as plain torch.mm, nothing else
+  *_compiled    fused and grouped_mm under torch.compile (with --compile)"""
+
+BENCH_EPILOG = """\
+--hidden and --ffn must be multiples of 8 for bfloat16/float16 and of 4 for float32
+(torch._grouped_mm, behind the grouped_mm variant, needs 16-byte aligned feature sizes).
+Progress lines go to stderr; the plan, the tables and "wrote FILE" go to stdout."""
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` flags (checked by ``cli.args.check_bench_args``); every help line states the default."""
+    from .cli.bench import DEFAULT_SHAPE, SMALL_SHAPE
+
+    d, s = DEFAULT_SHAPE, SMALL_SHAPE
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help=f"the small shape: {s.experts} experts, hidden {s.hidden}, ffn {s.ffn}, {s.rows} rows, "
+        "50 rounds, compiled variants on (default: off, the full shape)",
     )
-    bench.add_argument("--small", action="store_true", help="4 experts, hidden 64, ffn 64, 64 rows")
-    bench.add_argument("--device", default="cpu")
-    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    bench.add_argument(
-        "--backend", default="auto", help="force a kernel backend (names: python -m fusible_ops info)"
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=BENCH_DTYPES, help="dtype of weights and tokens"
     )
-    bench.add_argument("--experts", type=int)
-    bench.add_argument("--hidden", type=int)
-    bench.add_argument("--ffn", type=int)
-    bench.add_argument("--rows", type=int)
-    bench.add_argument("--repeats", type=int, help="timed rounds (default 10, or 50 with --small)")
-    bench.add_argument(
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        help="kernel backend to force, or auto to pick per device and dtype; "
+        "python -m fusible_ops info lists the names",
+    )
+    for name, help_text in (
+        ("experts", "number of experts"),
+        ("hidden", "hidden size (in of fc1, out of fc2)"),
+        ("ffn", "expert FFN size (fc1 gives 2 x ffn: gate and up)"),
+        ("rows", "routed rows (tokens x top-k), split unevenly over the experts"),
+    ):
+        parser.add_argument(
+            f"--{name}",
+            type=positive_int,
+            metavar="N",
+            help=f"{help_text} (default: {getattr(d, name)}, or {getattr(s, name)} with --small)",
+        )
+    parser.add_argument(
+        "--repeats", type=positive_int, metavar="N", help="timed rounds (default: 10, or 50 with --small)"
+    )
+    parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="also time fused and grouped_mm under torch.compile (default: on with --small)",
+        help="also time fused and grouped_mm under torch.compile (default: on with --small, else off)",
     )
-    bench.add_argument("--json", help="write the results as JSON to this file")
-    bench.add_argument("--plot", help="write a bar chart PNG to this file (needs matplotlib)")
-    bench.add_argument("--moe-ep", action="store_true", help="add the MoE layer single-process vs EP=2 row")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="print a line per stage, variant and round to stderr (default: on, off with --small)",
+    )
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE (default: none)")
+    parser.add_argument(
+        "--plot", metavar="FILE", help="write a bar chart PNG to FILE, needs matplotlib (default: none)"
+    )
+    parser.add_argument(
+        "--moe-ep",
+        action="store_true",
+        help="add the MoE layer single-process vs EP=2 row (default: off)",
+    )
 
-    sub.add_parser("info", help="versions, devices and kernel backends")
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written; each flag's help ends with its default.
+
+    A flag whose default depends on others (``None`` here) states it in its own help.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if (
+            "(default" in help_text
+            or action.default in (None, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return help_text
+        return help_text + " (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one ``PROG: error: MESSAGE`` line and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .cli import demo as demo_cli
+
+    parser = _Parser(prog="python -m fusible_ops", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
+
+    demo = sub.add_parser(
+        "demo",
+        help="MoE expert block on synthetic tokens: check, plan, train, timings",
+        description=demo_cli.DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    demo.add_argument(
+        "--steps",
+        type=positive_int,
+        default=30,
+        metavar="N",
+        help="training steps of the small MoE regression (any N >= 1)",
+    )
+
+    bench = sub.add_parser(
+        "bench",
+        help="fused expert block vs unfused, grouped_mm, loop and the dense bound",
+        description=BENCH_DESCRIPTION,
+        epilog=BENCH_EPILOG,
+        formatter_class=_HelpFormatter,
+    )
+    add_bench_arguments(bench)
+
+    sub.add_parser(
+        "info",
+        help="versions, devices and kernel backends",
+        description="Versions, devices, and every kernel backend: available or not, and why.",
+        formatter_class=_HelpFormatter,
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "demo":
         from .cli.demo import main as run
     elif args.command == "bench":
         from .cli.bench import main as run
     else:
         from .cli.info import main as run
-    return run(args)
+    try:
+        return run(args)
+    except UsageError as error:
+        parser.exit(2, f"{parser.prog} {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":

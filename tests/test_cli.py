@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
+import pytest
 import torch
 
-from fusible_ops.__main__ import main
+from fusible_ops.__main__ import build_parser, main
 from fusible_ops.cli import bench, demo
+from fusible_ops.cli.args import UsageError, check_bench_args
 
 
 def test_info_lists_every_backend(capsys):
@@ -58,3 +61,186 @@ def test_demo_pieces_run(capsys):
     demo.train_small_moe(steps=6)
     out = capsys.readouterr().out
     assert "FAIL" not in out and "GroupedMLP" in out and "loss went down" in out
+
+
+# ---------------------------------------------------------------- bad flags: one line, exit 2
+def _usage_error(capsys, argv: list[str]) -> str:
+    """Run the CLI in-process; it must exit 2 with one ``... error: ...`` line and no traceback."""
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "Traceback" not in captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"python -m fusible_ops {argv[0]}: error: ")
+    return lines[0]
+
+
+def test_bench_refuses_zero_repeats(capsys):
+    line = _usage_error(capsys, ["bench", "--small", "--repeats", "0"])
+    assert "--repeats" in line and "positive integer" in line and "got 0" in line
+
+
+def test_bench_refuses_zero_repeats_when_main_is_called_directly(capsys):
+    args = build_parser().parse_args(["bench", "--small"])
+    args.repeats = 0
+    with pytest.raises(UsageError, match="--repeats must be a positive integer"):
+        bench.main(args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_bench_refuses_cuda_without_cuda(capsys):
+    line = _usage_error(capsys, ["bench", "--small", "--device", "cuda"])
+    assert "--device cuda: CUDA is not available" in line
+
+
+def test_bench_refuses_a_device_that_is_not_one(capsys):
+    line = _usage_error(capsys, ["bench", "--device", "gpu0"])
+    assert "--device 'gpu0' is not a device" in line
+
+
+def test_bench_refuses_an_unknown_backend(capsys):
+    line = _usage_error(capsys, ["bench", "--small", "--backend", "nope"])
+    assert "--backend 'nope' is not a backend" in line
+    assert "cpu, grouped_mm, triton, cudnn, torch_loop" in line
+
+
+def test_bench_refuses_an_unavailable_backend(capsys):
+    line = _usage_error(capsys, ["bench", "--small", "--backend", "cudnn", "--device", "cpu"])
+    assert "--backend cudnn is unavailable on cpu bfloat16: " in line
+
+
+def test_bench_refuses_negative_sizes(capsys):
+    line = _usage_error(capsys, ["bench", "--small", "--hidden", "-64"])
+    assert "argument --hidden: must be a positive integer (>= 1), got -64" in line
+    line = _usage_error(capsys, ["bench", "--small", "--experts", "0"])
+    assert "argument --experts" in line
+
+
+def test_bench_refuses_misaligned_sizes(capsys):
+    line = _usage_error(capsys, ["bench", "--small", "--hidden", "60"])
+    assert "--hidden 60 must be a multiple of 8 for bfloat16" in line and "torch._grouped_mm" in line
+    line = _usage_error(capsys, ["bench", "--small", "--dtype", "float32", "--ffn", "62"])
+    assert "--ffn 62 must be a multiple of 4 for float32" in line
+
+
+def test_bench_reports_a_backend_that_refuses_the_problem(capsys, monkeypatch):
+    """What the flags' own checks miss, building the plan (``explain``) catches before the run."""
+    from fusible_ops.kernels import clear_backend_cache
+    from fusible_ops.kernels.torch_loop import TorchLoopBackend
+
+    clear_backend_cache()
+    monkeypatch.setattr(
+        TorchLoopBackend,
+        "shape_problem",
+        staticmethod(lambda i, o, dtype: f"test: refuses {i} -> {o}"),
+        raising=False,
+    )
+    try:
+        line = _usage_error(capsys, ["bench", "--small", "--backend", "torch_loop"])
+    finally:
+        clear_backend_cache()
+    assert "this problem cannot run with --backend torch_loop: " in line and "test: refuses 64 -> 128" in line
+
+
+def test_bench_refuses_plot_without_matplotlib_before_the_run(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the bench ran"))
+    line = _usage_error(capsys, ["bench", "--small", "--plot", str(tmp_path / "bench.png")])
+    assert "--plot needs matplotlib, which is not installed" in line
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_bench_refuses_an_output_folder_that_does_not_exist(capsys, tmp_path):
+    line = _usage_error(capsys, ["bench", "--small", "--json", str(tmp_path / "missing" / "b.json")])
+    assert "--json" in line and "does not exist" in line
+
+
+def test_argparse_errors_are_one_line_too(capsys):
+    line = _usage_error(capsys, ["bench", "--dtype", "int8"])
+    assert "argument --dtype: invalid choice: 'int8'" in line
+
+
+def test_bench_progress_per_variant_and_round_goes_to_stderr(capsys):
+    assert main(["bench", "--small", "--no-compile", "--repeats", "2", "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "[bench]" not in captured.out and "GroupedMLP" in captured.out
+    progress = captured.err.splitlines()
+    assert all(line.startswith("[bench] ") for line in progress)
+    for mode in ("forward", "forward+backward"):
+        for name in ("fused", "unfused", "grouped_mm", "loop", "dense"):
+            for which in ("warm-up 1/3", "warm-up 3/3", "round 1/2", "round 2/2"):
+                assert any(line.startswith(f"[bench] {mode}: {name}: {which} (") for line in progress)
+
+
+def test_default_bench_prints_progress_and_small_does_not():
+    parser = build_parser()
+    assert check_bench_args(parser.parse_args(["bench", "--rows", "64"])).progress
+    assert not check_bench_args(parser.parse_args(["bench", "--small"])).progress
+    assert not check_bench_args(parser.parse_args(["bench", "--no-progress"])).progress
+
+
+# ---------------------------------------------------------------- demo --steps
+def test_demo_runs_for_one_and_two_steps(capsys, monkeypatch):
+    assert main(["demo", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 step)" in out and "loss went down" in out and "FAIL" not in out and "UP" not in out
+    assert "small-shape comparison" in out and "x dense" in out
+    # the same again for 2 steps (the old check said "loss went UP" there), with a shorter table
+    run_bench = demo.run_bench
+    monkeypatch.setattr(demo, "run_bench", lambda *a, **k: run_bench(*a, **{**k, "repeats": 1}))
+    assert main(["demo", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 steps)" in out and "loss went down" in out and "FAIL" not in out and "UP" not in out
+
+
+def test_demo_refuses_zero_or_negative_steps(capsys):
+    for steps in ("0", "-3"):
+        line = _usage_error(capsys, ["demo", "--steps", steps])
+        assert f"argument --steps: must be a positive integer (>= 1), got {steps}" in line
+
+
+def test_demo_training_check_catches_a_real_regression(capsys, monkeypatch):
+    """The verdict is not a formality: an optimizer climbing the loss fails it."""
+    adam = torch.optim.Adam
+    monkeypatch.setattr(torch.optim, "Adam", lambda *a, **k: adam(*a, maximize=True, **k))
+    with pytest.raises(SystemExit, match="did not reduce the loss"):
+        demo.train_small_moe(steps=1)
+    assert "loss went UP" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- --help
+def test_help_is_plain_text_and_shows_every_bench_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "--help"])
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":class:" not in out
+    for flag, default in {
+        "--small": "off, the full shape",
+        "--device": "cpu",
+        "--dtype": "bfloat16",
+        "--backend": "auto",
+        "--experts": "8, or 4 with --small",
+        "--hidden": "1024, or 64 with --small",
+        "--ffn": "1408, or 64 with --small",
+        "--rows": "8192, or 64 with --small",
+        "--repeats": "10, or 50 with --small",
+        "--compile": "on with --small, else off",
+        "--progress": "on, off with --small",
+        "--json": "none",
+        "--plot": "none",
+        "--moe-ep": "off",
+    }.items():
+        lines = out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.strip().startswith(flag))
+        block = [lines[start]]  # the flag's line and its continuation lines (a long metavar wraps)
+        block += [line for line in lines[start + 1 : start + 3] if line.startswith(" " * 8)]
+        assert f"(default: {default})" in " ".join(block), block
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "``" not in top and "demo" in top and "bench" in top and "info" in top

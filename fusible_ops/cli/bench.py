@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -200,14 +201,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+Progress = Callable[[str], None]
+
+
+def print_progress(message: str) -> None:
+    """The CLI's progress reporter: one ``[bench] ...`` line on stderr (stdout stays clean)."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
 def time_interleaved(
     variants: dict[str, Callable[[Problem, bool], None]],
     p: Problem,
     backward: bool,
     repeats: int,
     warmup: int,
+    progress: Progress | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds per call of every variant, one call of each per round."""
+    """Seconds per call of every variant, one call of each per round.
+
+    ``progress``, when given, gets one line per variant and round (warm-up rounds included).
+    """
+    mode = "forward+backward" if backward else "forward"
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(warmup + repeats):
         for name, fn in variants.items():
@@ -217,8 +231,16 @@ def time_interleaved(
             start = time.perf_counter()
             fn(p, backward)
             _sync(p.device)
+            elapsed = time.perf_counter() - start
             if round_index >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(elapsed)
+            if progress is not None:
+                which = (
+                    f"warm-up {round_index + 1}/{warmup}"
+                    if round_index < warmup
+                    else f"round {round_index - warmup + 1}/{repeats}"
+                )
+                progress(f"{mode}: {name}: {which} ({elapsed * 1e3:.1f} ms)")
     return times
 
 
@@ -245,14 +267,23 @@ def run_bench(
     warmup: int = 2,
     include: tuple[str, ...] = ("fused", "unfused", "grouped_mm", "loop", "dense"),
     compile_variants: bool = False,
+    progress: Progress | None = None,
 ) -> dict:
-    """Run the benchmark; returns a JSON-ready dict of the results."""
+    """Run the benchmark; returns a JSON-ready dict of the results.
+
+    ``progress``, when given, is called with a line per stage and per variant and round.
+    """
+    say = progress or (lambda message: None)
+    if repeats < 1:
+        raise ValueError(f"run_bench: repeats must be >= 1, got {repeats}")
     dev = torch.device(device)
+    say(f"building the problem: {shape}, {str(dtype).replace('torch.', '')} on {dev}")
     p = make_problem(shape, dtype, dev)
     variants = {name: timed_call(fn) for name, fn in FORWARDS.items() if name in include}
     notes = []
     if compile_variants:
         for name in ("fused", "grouped_mm"):
+            say(f"compiling {name} with torch.compile (inductor)")
             run = timed_call(compiled(FORWARDS[name]))
             try:  # compile now, outside the timing; a variant that cannot compile is reported
                 run(p, True)
@@ -277,11 +308,13 @@ def run_bench(
         "modes": {},
         "saved_bytes": {},
     }
+    say("measuring the bytes saved for backward")
     for name, forward in FORWARDS.items():
         if name in include:
             results["saved_bytes"][name] = saved_bytes(forward, p)
     for mode, backward in (("forward", False), ("forward+backward", True)):
-        times = time_interleaved(variants, p, backward, repeats, warmup)
+        say(f"timing {mode}: {len(variants)} variants, {warmup} warm-up + {repeats} rounds")
+        times = time_interleaved(variants, p, backward, repeats, warmup, progress)
         rows = {}
         for name, samples in times.items():
             median = statistics.median(samples)
@@ -378,27 +411,26 @@ def plot(results: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    shape = SMALL_SHAPE if args.small else DEFAULT_SHAPE
-    overrides = {
-        k: getattr(args, k) for k in ("experts", "hidden", "ffn", "rows") if getattr(args, k) is not None
-    }
-    shape = Shape(**{**asdict(shape), **overrides})
-    dtype = getattr(torch, args.dtype)
-    repeats = args.repeats if args.repeats is not None else (50 if args.small else 10)
-    with fo.settings(backend=args.backend):
-        compile_variants = args.small if args.compile is None else args.compile
+    """``python -m fusible_ops bench``: every flag is checked (:func:`check_bench_args`) first."""
+    from .args import check_bench_args
+
+    config = check_bench_args(args)
+    with fo.settings(backend=config.backend):
         results = run_bench(
-            shape,
-            dtype,
-            args.device,
-            repeats=repeats,
-            warmup=3 if args.small else 2,
-            compile_variants=compile_variants,
+            config.shape,
+            config.dtype,
+            str(config.device),
+            repeats=config.repeats,
+            warmup=config.warmup,
+            compile_variants=config.compile_variants,
+            progress=print_progress if config.progress else None,
         )
-    results["backend_setting"] = args.backend
+    results["backend_setting"] = config.backend
     if args.moe_ep:
         from .moe_ep_bench import run_moe_ep_bench
 
+        if config.progress:
+            print_progress("MoE layer: single process vs EP=2")
         results["moe_ep"] = run_moe_ep_bench()
     print(results["plan"])
     print()
@@ -408,9 +440,6 @@ def main(args) -> int:
             json.dump(results, f, indent=2)
         print(f"\nwrote {args.json}")
     if args.plot:
-        try:
-            plot(results, args.plot)
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print("--plot needs matplotlib (pip install 'fusible-ops[plot]'); no plot written")
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
     return 0

@@ -1,0 +1,191 @@
+"""The checks of the ``python -m fusible_ops`` flags.
+
+The flags themselves are declared in ``fusible_ops/__main__.py``; the checks here run
+before any heavy work and raise :class:`UsageError` for a value that cannot work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .bench import Shape
+
+BENCH_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class UsageError(Exception):
+    """A bad command-line argument found after parsing (an unavailable device, backend...).
+
+    ``python -m fusible_ops`` reports it as one ``python -m fusible_ops CMD: error: ...``
+    line on stderr and exits with status 2, as argparse does for its own errors.
+    """
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
+    return value
+
+
+def one_line(text: object) -> str:
+    """The first non-empty line of ``text`` (error messages of other layers can span several)."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------- bench
+@dataclass(frozen=True)
+class BenchConfig:
+    """The checked arguments of one ``bench`` run."""
+
+    shape: Shape
+    dtype: torch.dtype
+    device: torch.device
+    backend: str
+    repeats: int
+    warmup: int
+    compile_variants: bool
+    progress: bool
+
+
+def check_device(text: str) -> torch.device:
+    """``--device``: cpu, or a CUDA device that exists here."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {text!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise UsageError(f"--device {text}: the bench runs on cpu or cuda, not {device.type}")
+    if not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise UsageError(f"--device {text}: CUDA is not available ({why}, torch {torch.__version__})")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise UsageError(f"--device {text}: there are only {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    return device
+
+
+def check_backend(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """``--backend``: auto, or a registered backend that can run on ``device``/``dtype``."""
+    from ..kernels import backend_names, probe_backend
+
+    if name == "auto":
+        return
+    names = backend_names()
+    if name not in names:
+        raise UsageError(
+            f"--backend {name!r} is not a backend; choose auto or one of {', '.join(names)} "
+            "(python -m fusible_ops info)"
+        )
+    reason = probe_backend(name, device, dtype)
+    if reason is not None:
+        raise UsageError(
+            f"--backend {name} is unavailable on {device} {_dtype_name(dtype)}: {one_line(reason)}"
+        )
+
+
+def _check_alignment(shape: Shape, dtype: torch.dtype) -> None:
+    """The grouped_mm variant calls ``torch._grouped_mm``, which refuses unaligned strides."""
+    elems = 16 // dtype.itemsize
+    for name in ("hidden", "ffn"):
+        value = getattr(shape, name)
+        if value % elems:
+            raise UsageError(
+                f"--{name} {value} must be a multiple of {elems} for {_dtype_name(dtype)}: the grouped_mm "
+                "variant's torch._grouped_mm needs 16-byte aligned feature sizes"
+            )
+
+
+def _check_plan(config: BenchConfig) -> None:
+    """Build the problem's plan (``explain``: nothing computed) under the chosen backend.
+
+    It runs the same validation and backend selection as the timed calls do, on a copy of the
+    problem cut to 2 experts and 64 rows (the plan depends on the feature sizes, dtype and
+    device, not on those), so a backend that refuses this problem is reported before the run.
+    """
+    import fusible_ops as fo
+
+    from .bench import Shape, make_problem
+
+    s = config.shape
+    small = Shape(experts=min(s.experts, 2), hidden=s.hidden, ffn=s.ffn, rows=min(s.rows, 64))
+    try:
+        with fo.settings(backend=config.backend):
+            p = make_problem(small, config.dtype, config.device)
+            p.experts.explain(p.x.detach().requires_grad_(), p.splits_tensor, p.probs, p.splits_tensor)
+    except (ValueError, TypeError, RuntimeError) as error:  # BackendUnavailableError is a RuntimeError
+        raise UsageError(
+            f"this problem cannot run with --backend {config.backend}: {one_line(error)}"
+        ) from None
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """An output file's folder must exist (found now, not after a long run)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: folder {folder} does not exist")
+
+
+def check_bench_args(args: argparse.Namespace) -> BenchConfig:
+    """Every ``bench`` argument checked before any heavy work; a bad one raises :class:`UsageError`."""
+    from .bench import DEFAULT_SHAPE, SMALL_SHAPE, Shape
+
+    shape = SMALL_SHAPE if args.small else DEFAULT_SHAPE
+    overrides = {}
+    for name in ("experts", "hidden", "ffn", "rows"):
+        value = getattr(args, name)
+        if value is not None:
+            if value < 1:  # argparse's type already refuses these; bench.main() may be called directly
+                raise UsageError(f"--{name} must be a positive integer (>= 1), got {value}")
+            overrides[name] = value
+    shape = Shape(**{**asdict(shape), **overrides})
+    repeats = args.repeats if args.repeats is not None else (50 if args.small else 10)
+    if repeats < 1:
+        raise UsageError(f"--repeats must be a positive integer (>= 1), got {repeats}")
+    if args.dtype not in BENCH_DTYPES:
+        raise UsageError(f"--dtype {args.dtype!r}: choose one of {', '.join(BENCH_DTYPES)}")
+    dtype = getattr(torch, args.dtype)
+    device = check_device(args.device)
+    check_backend(args.backend, device, dtype)
+    _check_alignment(shape, dtype)
+    check_output_path("--json", args.json)
+    check_output_path("--plot", args.plot)
+    if args.plot is not None:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            raise UsageError(
+                "--plot needs matplotlib, which is not installed (pip install 'fusible-ops[plot]')"
+            ) from None
+    config = BenchConfig(
+        shape=shape,
+        dtype=dtype,
+        device=device,
+        backend=args.backend,
+        repeats=repeats,
+        warmup=3 if args.small else 2,
+        compile_variants=args.small if args.compile is None else args.compile,
+        progress=(not args.small) if args.progress is None else args.progress,
+    )
+    _check_plan(config)
+    return config
