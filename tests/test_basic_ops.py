@@ -450,3 +450,18 @@ def test_the_activation_table_is_what_ops_rules_and_backends_use():
             assert ("cudnn" in row.epilogue_backends) == (glu_unsupported_reason(spec) is None), kind
         if kind in MOE_ACTIVATIONS:
             assert MOE_ACTIVATIONS[kind][1] == (2 if row.gated else 1)
+
+
+def test_the_plan_says_whether_the_activation_runs_fused_as_the_table_says():
+    from fusible_ops.kernels.activation import ACTIVATIONS
+
+    for cls in (fo.ScaledSwiGLU, fo.ScaledGEGLU, fo.ScaledClampedSwiGLU, fo.ScaledSReLU):
+        ffn = 6 if ACTIVATIONS[cls.kind].gated else 3
+        seq = fo.Sequential(fo.GroupedLinear(4, 8, ffn), cls(), fo.GroupedLinear(4, 3, 8))
+        for backend in ("cpu", "torch_loop"):
+            with fo.settings(backend=backend):
+                (decision,) = seq.explain(
+                    torch.randn(10, 8), [3, 0, 4, 3], torch.rand(10), [3, 0, 4, 3]
+                ).decisions
+            fused = "fused with the GEMMs" in decision.reason
+            assert fused == (backend in ACTIVATIONS[cls.kind].epilogue_backends), (cls.__name__, backend)

@@ -640,3 +640,37 @@ def test_info_on_this_machine_reports_reason():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present; the unavailable line is checked on CPU-only machines")
     assert line.startswith("cudnn: unavailable (") and len(line) > len("cudnn: unavailable ()")
+
+
+# ---------------------------------------------------------------- the base class's checks
+
+
+def test_bad_inputs_refused_by_the_shared_checks_before_any_wrapper_call(fake):
+    module, _ = fake
+    backend = CudnnFrontendBackend()
+    splits, off = [3, 5], offsets_of([3, 5])
+    x, w = torch.randn(8, 32), torch.randn(2, 64, 32)
+    out = torch.full((8, 64), 7.0)
+    with pytest.raises(ValueError, match=r"cudnn\.fprop: x has 16 features but weight expects 32"):
+        backend.fprop(x[:, :16], w, splits, off, out=out)
+    with pytest.raises(ValueError, match=r"cudnn\.fprop: out must have shape"):
+        backend.fprop(x, w, splits, off, out=out[:7])
+    with pytest.raises(ValueError, match=r"cudnn\.dgrad: split sizes sum to 9"):
+        backend.dgrad(out, w, [4, 5], off)
+    with pytest.raises(TypeError, match=r"cudnn\.wgrad: grad_out dtype"):
+        backend.wgrad(out.double(), x, splits, off)
+    with pytest.raises(ValueError, match=r"cudnn\.fc1_fprop_act: scales must be \[8\]"):
+        backend.fc1_fprop_act(x, w, None, splits, off, ActivationSpec("swiglu"), torch.ones(3))
+    with pytest.raises(ValueError, match=r"cudnn\.fc2_dgrad_act: pre must be \[8, N_pre\]"):
+        backend.fc2_dgrad_act(x, torch.randn(2, 32, 32), out[:4], splits, off, ActivationSpec("swiglu"), None)
+    assert module.calls == [] and (out == 7.0).all()
+
+
+def test_zero_tokens_answered_without_a_wrapper_call(fake):
+    module, _ = fake
+    backend, off = CudnnFrontendBackend(), offsets_of([0, 0])
+    x, w = torch.randn(0, 32), torch.randn(2, 128, 32)
+    pre, act = backend.fc1_fprop_act(x, w, None, None, off, ActivationSpec("swiglu"), torch.ones(0))
+    assert pre.shape == (0, 128) and act.shape == (0, 64)
+    dw = backend.wgrad(pre, x, None, off)
+    assert dw.shape == (2, 128, 32) and (dw == 0).all() and module.calls == []

@@ -576,3 +576,17 @@ def test_cpu_backend_reused_outputs_never_alias_live_results():
     pre3, _ = backend.fc1_fprop_act(x, w1, None, split_sizes, offsets, spec, scales)
     assert pre3.data_ptr() in freed, "a freed output storage was not reused"
     assert torch.equal(pre3, kept[0])
+
+
+def test_backend_selection_carries_the_mark_torch_compiler_sets():
+    """Selection is marked constant for torch.compile without importing torch._dynamo at
+    package import: the mark must be the one ``torch.compiler.assume_constant_result`` sets."""
+    from fusible_ops.kernels import _selected_names
+
+    def probe_fn():
+        return None
+
+    torch.compiler.assume_constant_result(probe_fn)
+    marks = vars(probe_fn)
+    assert marks, "torch.compiler.assume_constant_result no longer marks the function"
+    assert all(getattr(_selected_names, key, None) == value for key, value in marks.items())

@@ -212,16 +212,16 @@ def _plan_notes(
     """What the plan should say about how the fused op will run."""
     backend = choice.backend
     notes = [choice.explain()]
-    if backend.fused_activation:
+    why_not_fused = backend.fused_activation_reason(spec, context.device)
+    if why_not_fused is None:
         notes.append("activation" + ("" if scale_after_fc2 else " and scaling") + " fused with the GEMMs")
     else:
-        notes.append("activation and scaling run as separate passes (backend has no fused epilogue)")
+        notes.append(f"activation and scaling run as separate passes ({why_not_fused})")
     if scale_after_fc2:
         notes.append("the routing scale after fc2 is one extra in-place pass over the output")
     has_output = context.has_kwarg(first + 2, OUTPUT_BUFFER_KEY)
-    backend_notes = getattr(backend, "plan_notes", None)
-    if backend_notes is not None:  # copies and composed steps the backend itself reports
-        notes.extend(backend_notes(context.device, None, has_output))
+    # copies and composed steps the backend itself reports
+    notes.extend(backend.plan_notes(context.device, None, has_output))
     if has_output and not backend.writes_in_place:
         notes.append(f"fc2 output is copied into the caller's buffer ({backend.name} cannot write in place)")
     elif has_output:

@@ -9,14 +9,16 @@ Selection is automatic per device and dtype, or forced with
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from .base import GroupedGemmBackend
 
-# name -> (module, class); order within a device's preference list is separate
-_BACKENDS: dict[str, tuple[str, str]] = {
+# name -> (module, class) imported on first use, or the class itself; the order within a
+# device's preference list is separate
+_BACKENDS: dict[str, tuple[str, str] | type[GroupedGemmBackend]] = {
     "cpu": ("fusible_ops.kernels.torch_cpu", "TorchCpuBackend"),
     "grouped_mm": ("fusible_ops.kernels.torch_grouped_mm", "TorchGroupedMMBackend"),
     "triton": ("fusible_ops.kernels.triton_backend", "TritonBackend"),
@@ -41,14 +43,40 @@ def backend_names() -> list[str]:
     return list(_BACKENDS)
 
 
-def register_backend(name: str, module: str, class_name: str, *, prefer_on: tuple[str, ...] = ()) -> None:
-    """Register a backend class by import path; ``prefer_on`` device types try it first."""
-    _BACKENDS[name] = (module, class_name)
+def register_backend(
+    name: str,
+    backend: type[GroupedGemmBackend] | str,
+    class_name: str | None = None,
+    *,
+    prefer_on: tuple[str, ...] = (),
+) -> None:
+    """Register a backend: its class, or a module path and class name imported on first use.
+
+    ``register_backend("mine", MyBackend)`` or ``register_backend("mine", "pkg.mine", "MyBackend")``;
+    ``prefer_on`` device types (``"cpu"``, ``"cuda"``) try it first in automatic selection.
+    A registered name replaces the entry it had.
+    """
+    if isinstance(backend, str):
+        if class_name is None:
+            raise TypeError(f"register_backend({name!r}, {backend!r}): a module path needs a class name")
+        _BACKENDS[name] = (backend, class_name)
+    else:
+        _BACKENDS[name] = backend
     clear_backend_cache()
     for device_type in prefer_on:
         for purpose in ("mlp", "gemm"):
             current = _PREFERENCE.get((device_type, purpose), _DEFAULT_PREFERENCE)
             _PREFERENCE[(device_type, purpose)] = (name, *[n for n in current if n != name])
+
+
+def unregister_backend(name: str) -> None:
+    """Remove ``name`` from the registry and from every automatic preference list."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {backend_names()}")
+    del _BACKENDS[name]
+    for key, names in list(_PREFERENCE.items()):
+        _PREFERENCE[key] = tuple(n for n in names if n != name)
+    clear_backend_cache()
 
 
 def get_backend(name: str) -> GroupedGemmBackend:
@@ -57,9 +85,11 @@ def get_backend(name: str) -> GroupedGemmBackend:
         raise ValueError(f"unknown backend {name!r}; known: {backend_names()}")
     backend = _instances.get(name)
     if backend is None:
-        module_name, class_name = _BACKENDS[name]
-        module = importlib.import_module(module_name)
-        backend = getattr(module, class_name)()
+        entry = _BACKENDS[name]
+        if isinstance(entry, tuple):
+            module_name, class_name = entry
+            entry = getattr(importlib.import_module(module_name), class_name)
+        backend = entry()
         _instances[name] = backend
     return backend
 
@@ -132,9 +162,19 @@ def select_backend(
     return _select_cached(device, dtype, purpose, forced, features)
 
 
+def _constant_result(fn):
+    """``torch.compiler.assume_constant_result``, without importing ``torch._dynamo`` (about
+    2 s) with the package: until something else has imported it, the function gets the
+    mark that decorator sets (torch 2.13), which dynamo reads when it traces a call."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Selection imports backend modules and may run a trial kernel (the probes): under
 # torch.compile it runs eagerly at trace time and its result is a constant of the graph.
-@torch.compiler.assume_constant_result
+@_constant_result
 def _selected_names(
     device: torch.device, dtype: torch.dtype, purpose: str, forced: str, features: tuple
 ) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -154,11 +194,9 @@ def _select_cached(
 
 
 def _shape_reason(name: str, dtype: torch.dtype, features: tuple[tuple[int, int], ...]) -> str | None:
-    shape_problem = getattr(get_backend(name), "shape_problem", None)
-    if shape_problem is None:
-        return None
+    backend = get_backend(name)
     for in_features, out_features in features:
-        reason = shape_problem(in_features, out_features, dtype)
+        reason = backend.shape_problem(in_features, out_features, dtype)
         if reason is not None:
             return reason
     return None
@@ -203,4 +241,5 @@ __all__ = [
     "probe_backend",
     "register_backend",
     "select_backend",
+    "unregister_backend",
 ]

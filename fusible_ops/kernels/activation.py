@@ -28,26 +28,27 @@ class ActivationKind:
     math: str
     #: the fused GroupedMLP (and so ``fo.MoE``) runs it; others decline with a reason
     expert_block: bool
-    #: backends whose grouped-MLP kernels apply it in a GEMM epilogue (others: a separate pass)
+    #: backends whose grouped-MLP kernels apply it fused with the GEMMs (a GEMM epilogue,
+    #: or cpu's cache-blocked pass per row block); others run it as a separate pass
     epilogue_backends: tuple[str, ...]
 
 
 ACTIVATIONS: dict[str, ActivationKind] = {
     k.name: k
     for k in (
-        ActivationKind("relu", False, "max(x, 0)", False, ("triton",)),
-        ActivationKind("gelu", False, "gelu_tanh(x)", False, ("triton",)),
-        ActivationKind("silu", False, "x * sigmoid(x)", False, ("triton",)),
-        ActivationKind("srelu", False, "relu(x) ** 2", True, ("triton",)),
+        ActivationKind("relu", False, "max(x, 0)", False, ("triton", "cpu")),
+        ActivationKind("gelu", False, "gelu_tanh(x)", False, ("triton", "cpu")),
+        ActivationKind("silu", False, "x * sigmoid(x)", False, ("triton", "cpu")),
+        ActivationKind("srelu", False, "relu(x) ** 2", True, ("triton", "cpu")),
         ActivationKind("swiglu", True, "silu(gate) * linear", True, ("triton", "cudnn", "cpu")),
-        ActivationKind("geglu", True, "gelu_tanh(gate) * linear", True, ("triton",)),
-        ActivationKind("reglu", True, "relu(gate) * linear", False, ("triton",)),
+        ActivationKind("geglu", True, "gelu_tanh(gate) * linear", True, ("triton", "cpu")),
+        ActivationKind("reglu", True, "relu(gate) * linear", False, ("triton", "cpu")),
         ActivationKind(
             "clamped_swiglu",
             True,
             "min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clamp(linear, -limit, limit) + offset)",
             True,
-            ("triton", "cudnn"),
+            ("triton", "cudnn", "cpu"),
         ),
     )
 }

@@ -9,9 +9,29 @@ Shapes (``G`` groups, ``M`` token rows, ``K`` in features, ``N`` out features):
   device-resident ``offsets`` (int32 ``[G]`` inclusive cumulative sum) are known and
   reading them would force a host sync (CUDA backends must work from ``offsets``).
 
-Every method writes into ``out`` when it is given (a contiguous tensor of exactly the
-result shape, possibly a view of a caller's buffer) and returns it; otherwise it
-allocates. Rows of ``out`` beyond ``offsets[-1]`` are never written.
+Every GEMM writes into ``out`` when it is given (a tensor of exactly the result shape,
+possibly a view of a caller's buffer) and returns it; otherwise it allocates. Rows of
+``out`` beyond ``offsets[-1]`` are never written.
+
+The public methods belong to :class:`GroupedGemmBackend`: :meth:`~GroupedGemmBackend.fprop`,
+:meth:`~GroupedGemmBackend.dgrad`, :meth:`~GroupedGemmBackend.wgrad`,
+:meth:`~GroupedGemmBackend.bias_grad`, :meth:`~GroupedGemmBackend.fc1_fprop_act` and
+:meth:`~GroupedGemmBackend.fc2_dgrad_act` each run the checks of :mod:`.grouped_checks`
+once, answer zero-token calls themselves, and then call one protected hook with
+validated arguments. A backend is one file with a subclass that implements
+:meth:`~GroupedGemmBackend.probe` and the three GEMM hooks ``_fprop``, ``_dgrad`` and
+``_wgrad`` (optionally ``_bias_grad``, and ``_fc1_fprop_act`` / ``_fc2_dgrad_act`` with
+``fused_activation = True``), plus one line in the registry::
+
+    class MyBackend(GroupedGemmBackend):
+        name = "mine"
+
+        def probe(self, device, dtype): ...
+        def _fprop(self, x, weight, split_sizes, offsets, bias, out): ...
+        def _dgrad(self, grad_out, weight, split_sizes, offsets, out): ...
+        def _wgrad(self, grad_out, x, split_sizes, offsets, out): ...
+
+    register_backend("mine", MyBackend)  # fusible_ops.kernels.register_backend
 """
 
 from __future__ import annotations
@@ -25,24 +45,40 @@ from .activation import (
     row_dot,
     scaled_activation_forward,
 )
+from .grouped_checks import (
+    check_activation_width,
+    check_fc2_dgrad_act,
+    check_gemm,
+    check_operands,
+    check_scales,
+    host_split_sizes,
+)
+
+Tensor = torch.Tensor
 
 
 class GroupedGemmBackend:
-    """Base class: a named way to run the three grouped GEMMs on some devices.
+    """Base class: a named way to run the grouped GEMMs on some devices.
 
-    Subclasses implement :meth:`probe` and the three GEMMs; the fused
-    activation entry points have composed defaults that a backend may override with
-    a real fused kernel (``fused_activation = True``).
+    Subclasses implement :meth:`probe` and the hooks ``_fprop``, ``_dgrad`` and ``_wgrad``.
+    The hooks get arguments the public methods have checked, at least one row, and
+    ``split_sizes`` as a host list when :attr:`needs_host_splits` is set. The fused
+    activation entry points run composed (the GEMM hook, then the activation in torch)
+    unless :meth:`fused_activation_reason` is None, when they call the backend's
+    ``_fc1_fprop_act`` / ``_fc2_dgrad_act``.
     """
 
     name: str = "base"
     description: str = ""
-    #: whether fc1_fprop_act / fc2_dgrad_act run as one fused kernel
+    #: whether fc1_fprop_act / fc2_dgrad_act run as one fused kernel (see fused_activation_reason)
     fused_activation: bool = False
     #: whether the backend writes into a caller's ``out`` without an extra copy
     writes_in_place: bool = True
+    #: whether the hooks need ``split_sizes`` on the host: they then always get a list,
+    #: read from ``offsets`` when the caller had none (a host sync on CUDA)
+    needs_host_splits: bool = False
 
-    # ------------------------------------------------------------ availability
+    # ------------------------------------------------------------ availability and capabilities
     def probe(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """``None`` when usable for tensors on ``device`` of ``dtype``, else the reason."""
         raise NotImplementedError
@@ -55,48 +91,152 @@ class GroupedGemmBackend:
         """``None`` when the backend's software is present, else why not (for ``info``)."""
         return None
 
+    def shape_problem(self, in_features: int, out_features: int, dtype: torch.dtype) -> str | None:
+        """``None`` when a GEMM with these feature sizes can run, else why not (checked per call,
+        and by backend selection for the layers it plans)."""
+        return None
+
+    def fused_activation_reason(self, spec: ActivationSpec, device: torch.device) -> str | None:
+        """Why fc1_fprop_act / fc2_dgrad_act would run composed instead of fused (None if fused)."""
+        return None if self.fused_activation else f"{self.name} has no fused activation kernel"
+
+    def plan_notes(
+        self, device: torch.device, split_sizes: list[int] | None, with_output_buffer: bool
+    ) -> list[str]:
+        """Copies and composed steps this backend will perform, for the fusion plan."""
+        return []
+
+    def _check_runnable(self, where: str, rows: Tensor) -> None:
+        """Raise when the kernels cannot run on ``rows``' device and dtype (after the argument checks)."""
+
     # ------------------------------------------------------------ grouped GEMMs
     def fprop(
         self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
+        x: Tensor,
+        weight: Tensor,
         split_sizes: list[int] | None,
-        offsets: torch.Tensor,
+        offsets: Tensor,
         *,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``; ``[M, N]``."""
-        raise NotImplementedError
+        bias: Tensor | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``: ``[M, K] -> [M, N]``."""
+        where = f"{self.name}.fprop"
+        _, n_out, k_in = check_gemm(where, "fprop", x, weight, split_sizes, offsets, out, bias=bias)
+        sizes = self._ready(where, x, k_in, n_out, split_sizes, offsets)
+        return self._run_fprop(x, weight, sizes, offsets, bias, out)
 
     def dgrad(
         self,
-        grad_out: torch.Tensor,
-        weight: torch.Tensor,
+        grad_out: Tensor,
+        weight: Tensor,
         split_sizes: list[int] | None,
-        offsets: torch.Tensor,
+        offsets: Tensor,
         *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[rows_g] = grad_out[rows_g] @ weight[g]``; ``[M, K]``."""
-        raise NotImplementedError
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """``out[rows_g] = grad_out[rows_g] @ weight[g]``: ``[M, N] -> [M, K]``."""
+        where = f"{self.name}.dgrad"
+        _, n_out, k_in = check_gemm(where, "dgrad", grad_out, weight, split_sizes, offsets, out)
+        sizes = self._ready(where, grad_out, k_in, n_out, split_sizes, offsets)
+        return self._run_dgrad(grad_out, weight, sizes, offsets, out)
 
     def wgrad(
         self,
-        grad_out: torch.Tensor,
-        x: torch.Tensor,
+        grad_out: Tensor,
+        x: Tensor,
         split_sizes: list[int] | None,
-        offsets: torch.Tensor,
+        offsets: Tensor,
         *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[g] = grad_out[rows_g].T @ x[rows_g]``; ``[G, N, K]``, zeros for empty groups."""
-        raise NotImplementedError
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """``out[g] = grad_out[rows_g].T @ x[rows_g]``: ``[G, N, K]``, zeros for empty groups."""
+        where = f"{self.name}.wgrad"
+        shape = check_gemm(where, "wgrad", grad_out, x, split_sizes, offsets, out)
+        sizes = self._ready(where, x, shape[2], shape[1], split_sizes, offsets)
+        if x.shape[0] == 0:
+            return out.zero_() if out is not None else x.new_zeros(shape)
+        return self._wgrad(grad_out, x, sizes, offsets, out)
 
     def bias_grad(
-        self, grad_out: torch.Tensor, split_sizes: list[int] | None, offsets: torch.Tensor, num_groups: int
-    ) -> torch.Tensor:
-        """``[G, N]`` per-group column sums of ``grad_out`` (fp32 accumulation)."""
+        self, grad_out: Tensor, split_sizes: list[int] | None, offsets: Tensor, num_groups: int
+    ) -> Tensor:
+        """``[G, N]`` per-group column sums of ``grad_out`` (fp32 accumulation, fp64 stays fp64)."""
+        where = f"{self.name}.bias_grad"
+        check_operands(
+            where, grad_out, None, split_sizes, offsets, lhs_name="grad_out", num_groups=num_groups
+        )
+        sizes = self._hook_sizes(where, grad_out, split_sizes, offsets)
+        return self._bias_grad(grad_out, sizes, offsets, num_groups)
+
+    # ------------------------------------------------------------ fused entry points
+    def fc1_fprop_act(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        split_sizes: list[int] | None,
+        offsets: Tensor,
+        activation: ActivationSpec,
+        scales: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """FC1 then ``act(pre) * scales``: ``x [M, K] -> (pre [M, N], act_scaled [M, N or N/2])``.
+
+        ``scales`` (``[M]`` or ``[M, 1]``) None means unscaled. ``pre`` is kept by the
+        caller for backward.
+        """
+        where = f"{self.name}.fc1_fprop_act"
+        _, n_pre, k_in = check_gemm(where, "fprop", x, weight, split_sizes, offsets, None, bias=bias)
+        check_activation_width(where, activation, n_pre)
+        scales = check_scales(where, scales, x)
+        sizes = self._ready(where, x, k_in, n_pre, split_sizes, offsets)
+        run = self._fc1_fprop_act if self._fuses(activation, x) else self._composed_fc1_fprop_act
+        return run(x, weight, bias, sizes, offsets, activation, scales)
+
+    def fc2_dgrad_act(
+        self,
+        grad_y: Tensor,
+        weight: Tensor,
+        pre: Tensor,
+        split_sizes: list[int] | None,
+        offsets: Tensor,
+        activation: ActivationSpec,
+        scales: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """FC2 dgrad fused with the activation backward.
+
+        ``grad_y [M, H]``, FC2 ``weight [G, H, F]``, ``pre [M, N]``. Returns
+        ``(grad_pre, grad_scales, act_scaled)``: ``grad_scales`` has ``scales``' dtype and
+        shape (None when unscaled), ``act_scaled`` is the recomputed FC2 input (needed for
+        FC2's weight gradient).
+        """
+        where = f"{self.name}.fc2_dgrad_act"
+        _, h_out, n_act = check_fc2_dgrad_act(where, grad_y, weight, pre, split_sizes, offsets, activation)
+        flat_scales = check_scales(where, scales, grad_y)
+        sizes = self._ready(where, grad_y, n_act, h_out, split_sizes, offsets)
+        run = self._fc2_dgrad_act if self._fuses(activation, grad_y) else self._composed_fc2_dgrad_act
+        grad_pre, grad_scales, act = run(grad_y, weight, pre, sizes, offsets, activation, flat_scales)
+        if grad_scales is not None and (
+            grad_scales.dtype != scales.dtype or grad_scales.shape != scales.shape
+        ):
+            grad_scales = grad_scales.to(scales.dtype).reshape(scales.shape)
+        return grad_pre, grad_scales, act
+
+    # ------------------------------------------------------------ hooks (arguments checked)
+    def _fprop(self, x, weight, split_sizes, offsets, bias, out) -> Tensor:
+        """:meth:`fprop` for at least one row; ``out`` may be None."""
+        raise NotImplementedError
+
+    def _dgrad(self, grad_out, weight, split_sizes, offsets, out) -> Tensor:
+        """:meth:`dgrad` for at least one row; ``out`` may be None."""
+        raise NotImplementedError
+
+    def _wgrad(self, grad_out, x, split_sizes, offsets, out) -> Tensor:
+        """:meth:`wgrad` for at least one row; empty groups must come out as zeros."""
+        raise NotImplementedError
+
+    def _bias_grad(self, grad_out, split_sizes, offsets, num_groups) -> Tensor:
+        """:meth:`bias_grad` from the device offsets (no host sync)."""
         # rows past offsets[-1] get group id G: they land in an extra bin that is dropped
         group_ids = group_ids_from_offsets(offsets, grad_out.shape[0])
         acc_dtype = torch.promote_types(grad_out.dtype, torch.float32)
@@ -104,42 +244,23 @@ class GroupedGemmBackend:
         acc.index_add_(0, group_ids, grad_out.to(acc_dtype))
         return acc[:num_groups].to(grad_out.dtype)
 
-    # ------------------------------------------------------------ fused entry points
-    def fc1_fprop_act(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        activation: ActivationSpec,
-        scales: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """FC1 then ``act(pre) * scales``: returns ``(pre, act_scaled)``.
+    def _fc1_fprop_act(self, x, weight, bias, split_sizes, offsets, activation, scales):
+        """The fused FC1 kernel (``scales`` is ``[M]`` or None); composed unless overridden."""
+        return self._composed_fc1_fprop_act(x, weight, bias, split_sizes, offsets, activation, scales)
 
-        ``scales`` None means unscaled. ``pre`` is kept by the caller for backward.
-        """
-        pre = self.fprop(x, weight, split_sizes, offsets, bias=bias)
+    def _fc2_dgrad_act(self, grad_y, weight, pre, split_sizes, offsets, activation, scales):
+        """The fused FC2 dgrad kernel (``scales`` is ``[M]`` or None); composed unless overridden."""
+        return self._composed_fc2_dgrad_act(grad_y, weight, pre, split_sizes, offsets, activation, scales)
+
+    # ------------------------------------------------------------ composed entry points
+    def _composed_fc1_fprop_act(self, x, weight, bias, split_sizes, offsets, activation, scales):
+        pre = self._run_fprop(x, weight, split_sizes, offsets, bias, None)
         if scales is None:
             return pre, activation_forward(activation, pre)
         return pre, scaled_activation_forward(activation, pre, scales)
 
-    def fc2_dgrad_act(
-        self,
-        grad_y: torch.Tensor,
-        weight: torch.Tensor,
-        pre: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        activation: ActivationSpec,
-        scales: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """FC2 dgrad fused with the activation backward.
-
-        Returns ``(grad_pre, grad_scales, act_scaled)`` where ``act_scaled`` is the
-        recomputed FC2 input (needed for FC2's weight gradient).
-        """
-        grad_act = self.dgrad(grad_y, weight, split_sizes, offsets)
+    def _composed_fc2_dgrad_act(self, grad_y, weight, pre, split_sizes, offsets, activation, scales):
+        grad_act = self._run_dgrad(grad_y, weight, split_sizes, offsets, None)
         act = activation_forward(activation, pre)  # recomputed once, used three times
         if scales is None:
             return activation_backward(activation, pre, grad_act), None, act
@@ -148,8 +269,40 @@ class GroupedGemmBackend:
         grad_pre = activation_backward(activation, pre, grad_act * row_scales)
         return grad_pre, grad_scales, act.mul_(row_scales)
 
+    # ------------------------------------------------------------ shared steps
+    def _ready(
+        self, where: str, rows: Tensor, in_features: int, out_features: int, split_sizes, offsets: Tensor
+    ) -> list[int] | None:
+        """The checks that depend on the backend; returns the ``split_sizes`` the hooks get."""
+        problem = self.shape_problem(in_features, out_features, rows.dtype)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}; use the torch_loop backend for this shape")
+        self._check_runnable(where, rows)
+        return self._hook_sizes(where, rows, split_sizes, offsets)
 
-def group_ids_from_offsets(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    def _hook_sizes(self, where: str, rows: Tensor, split_sizes, offsets: Tensor) -> list[int] | None:
+        if not self.needs_host_splits:
+            return split_sizes
+        sizes = host_split_sizes(split_sizes, offsets)
+        if split_sizes is None and sum(sizes) > rows.shape[0]:
+            raise ValueError(f"{where}: offsets end at {sum(sizes)} but the input has {rows.shape[0]} rows")
+        return sizes
+
+    def _fuses(self, activation: ActivationSpec, rows: Tensor) -> bool:
+        return rows.shape[0] > 0 and self.fused_activation_reason(activation, rows.device) is None
+
+    def _run_fprop(self, x, weight, split_sizes, offsets, bias, out) -> Tensor:
+        if x.shape[0] == 0:
+            return out if out is not None else x.new_empty(0, weight.shape[1])
+        return self._fprop(x, weight, split_sizes, offsets, bias, out)
+
+    def _run_dgrad(self, grad_out, weight, split_sizes, offsets, out) -> Tensor:
+        if grad_out.shape[0] == 0:
+            return out if out is not None else grad_out.new_empty(0, weight.shape[2])
+        return self._dgrad(grad_out, weight, split_sizes, offsets, out)
+
+
+def group_ids_from_offsets(offsets: Tensor, num_rows: int) -> Tensor:
     """Group index of every row, ``[num_rows]`` int64, computed on device (no sync)."""
     rows = torch.arange(num_rows, device=offsets.device, dtype=offsets.dtype)
     return torch.searchsorted(offsets, rows, right=True).long()

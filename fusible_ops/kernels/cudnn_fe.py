@@ -28,6 +28,8 @@ from . import cudnn_fe_adapter as adapter
 from . import cudnn_fe_probe as probe_mod
 from .activation import ActivationSpec, activation_forward, scaled_activation_forward
 from .base import GroupedGemmBackend, group_ids_from_offsets
+from .grouped_checks import host_split_sizes
+from .torch_loop import _row_ranges
 
 RECIPES = ("bf16", "mxfp8")
 
@@ -172,20 +174,12 @@ class CudnnFrontendBackend(GroupedGemmBackend):
             raise RuntimeError(f"backend 'cudnn' cannot run: {st.reason}")
         return st.path, probe_mod._import_cudnn()
 
-    # ------------------------------------------------------------ grouped GEMMs
-    def fprop(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _check_runnable(self, where: str, rows: torch.Tensor) -> None:
+        self._module(rows.device)
+
+    # ------------------------------------------------------------ hooks (arguments checked)
+    def _fprop(self, x, weight, split_sizes, offsets, bias, out) -> torch.Tensor:
         path, module = self._module(x.device)
-        if x.shape[0] == 0:
-            return out if out is not None else x.new_empty(0, weight.shape[1])
         if path == "hopper":
             out = self._hopper_matmul(module, x, weight.transpose(1, 2), offsets, out)
             if bias is not None:
@@ -193,49 +187,22 @@ class CudnnFrontendBackend(GroupedGemmBackend):
             return out
         return self._blackwell_gemm(module, x, weight, split_sizes, offsets, bias=bias, out=out, dgrad=False)
 
-    def dgrad(
-        self,
-        grad_out: torch.Tensor,
-        weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _dgrad(self, grad_out, weight, split_sizes, offsets, out) -> torch.Tensor:
         path, module = self._module(grad_out.device)
-        if grad_out.shape[0] == 0:
-            return out if out is not None else grad_out.new_empty(0, weight.shape[2])
         if path == "hopper":
             return self._hopper_matmul(module, grad_out, weight, offsets, out)
         return self._blackwell_gemm(
             module, grad_out, weight, split_sizes, offsets, bias=None, out=out, dgrad=True
         )
 
-    def wgrad(
-        self,
-        grad_out: torch.Tensor,
-        x: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _wgrad(self, grad_out, x, split_sizes, offsets, out) -> torch.Tensor:
         path, module = self._module(x.device)
-        num_groups = offsets.shape[0]
         if out is None:
-            out = x.new_empty(num_groups, grad_out.shape[1], x.shape[1])
+            out = x.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
         out.zero_()  # empty groups must read as zeros whatever the kernel does with them
-        if x.shape[0] == 0:
-            return out
         if path == "hopper":
-            sizes = (
-                split_sizes
-                if split_sizes is not None
-                else torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
-            )
-            for g, (go, xg) in enumerate(zip(grad_out.split(sizes), x.split(sizes))):
-                if go.shape[0]:
-                    torch.mm(go.t(), xg, out=out[g])
+            for g, start, end in _row_ranges(host_split_sizes(split_sizes, offsets)):
+                torch.mm(grad_out[start:end].t(), x[start:end], out=out[g])
             return out
         kwargs = adapter.wgrad_kwargs(
             grad_out=grad_out.contiguous(), x=x.contiguous(), offsets=offsets, out=out
@@ -243,19 +210,8 @@ class CudnnFrontendBackend(GroupedGemmBackend):
         module.grouped_gemm_wgrad_wrapper_sm100(**kwargs, **_stream_kwargs(x.device))
         return out
 
-    # ------------------------------------------------------------ fused entry points
-    def fc1_fprop_act(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        activation: ActivationSpec,
-        scales: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused_activation_reason(activation, x.device) is not None or x.shape[0] == 0:
-            return super().fc1_fprop_act(x, weight, bias, split_sizes, offsets, activation, scales)
+    def _fc1_fprop_act(self, x, weight, bias, split_sizes, offsets, activation, scales):
+        """fc1 + GLU + probability scaling in one Blackwell kernel."""
         _, module = self._module(x.device)
         rows, two_n = x.shape[0], weight.shape[1]
         layout = adapter.pad_rows(split_sizes, offsets, rows)
@@ -289,18 +245,8 @@ class CudnnFrontendBackend(GroupedGemmBackend):
             pre = pre.index_select(1, adapter.inverse_permutation(perm))
         return pre, adapter.gather_rows(result["d_tensor"], layout)
 
-    def fc2_dgrad_act(
-        self,
-        grad_y: torch.Tensor,
-        weight: torch.Tensor,
-        pre: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        activation: ActivationSpec,
-        scales: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        if self.fused_activation_reason(activation, grad_y.device) is not None or grad_y.shape[0] == 0:
-            return super().fc2_dgrad_act(grad_y, weight, pre, split_sizes, offsets, activation, scales)
+    def _fc2_dgrad_act(self, grad_y, weight, pre, split_sizes, offsets, activation, scales):
+        """fc2 dgrad + GLU backward + the probabilities' gradient in one Blackwell kernel."""
         _, module = self._module(grad_y.device)
         rows, two_n = pre.shape
         layout = adapter.pad_rows(split_sizes, offsets, rows)
@@ -332,19 +278,9 @@ class CudnnFrontendBackend(GroupedGemmBackend):
         return grad_pre, dprob.to(scales.dtype), scaled_activation_forward(activation, pre, scales)
 
     # ------------------------------------------------------------ path helpers
-    def _blackwell_gemm(
-        self,
-        module: Any,
-        a_rows: torch.Tensor,
-        weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        bias: torch.Tensor | None,
-        out: torch.Tensor | None,
-        dgrad: bool,
-    ) -> torch.Tensor:
-        """fprop (``weight`` dense, ``[G, N, K]``) or dgrad (``weight[g]`` bound N-major)."""
+    def _blackwell_gemm(self, module, a_rows, weight, split_sizes, offsets, *, bias, out, dgrad: bool):
+        """fprop (``weight`` dense, ``[G, N, K]``) or dgrad (``weight[g]`` bound N-major) of the
+        hooks' arguments (``module``: the imported frontend); returns the result rows."""
         device, dtype = a_rows.device, a_rows.dtype
         cols = weight.shape[2] if dgrad else weight.shape[1]
         layout = adapter.pad_rows(split_sizes, offsets, a_rows.shape[0])

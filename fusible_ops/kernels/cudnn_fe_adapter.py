@@ -284,6 +284,19 @@ def mxfp8_operand(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------- wrapper arguments
 
 
+def _dense_operands(a, sfa, padded_offsets, alpha, weight, sfb, bias) -> dict:
+    """The operand arguments the GLU and MXFP8 wrappers share (dense ``weight`` ``[G, N, K]``)."""
+    return dict(
+        a_tensor=a,
+        sfa_tensor=sfa,
+        padded_offsets=padded_offsets,
+        alpha_tensor=alpha,
+        b_tensor=weight,
+        sfb_tensor=sfb,
+        bias_tensor=bias,
+    )
+
+
 def glu_forward_kwargs(
     *,
     a: torch.Tensor,
@@ -299,19 +312,9 @@ def glu_forward_kwargs(
     norm_const: torch.Tensor | None = None,
 ) -> dict:
     """``grouped_gemm_glu_wrapper_sm100``: ``a`` ``[cap, K]``, ``weight`` ``[G, 2n, K]`` in kernel order."""
-    kwargs = dict(
-        a_tensor=a,
-        sfa_tensor=sfa,
-        padded_offsets=padded_offsets,
-        alpha_tensor=alpha,
-        b_tensor=weight,
-        sfb_tensor=sfb,
-        bias_tensor=bias,
-        prob_tensor=prob,
-        c_dtype=out_dtype,
-        d_dtype=out_dtype,
-        generate_c=True,
-        **glu_activation_kwargs(spec),
+    kwargs = _dense_operands(a, sfa, padded_offsets, alpha, weight, sfb, bias)
+    kwargs.update(
+        prob_tensor=prob, c_dtype=out_dtype, d_dtype=out_dtype, generate_c=True, **glu_activation_kwargs(spec)
     )
     if sfa is not None:
         kwargs.update(sf_vec_size=MX_BLOCK, norm_const_tensor=norm_const)
@@ -369,19 +372,9 @@ def quant_gemm_kwargs(
     bias: torch.Tensor | None = None,
 ) -> dict:
     """``grouped_gemm_quant_wrapper_sm100`` (MXFP8 in, ``out_dtype`` out, written into ``d_tensor``)."""
-    return dict(
-        a_tensor=a,
-        sfa_tensor=sfa,
-        padded_offsets=padded_offsets,
-        alpha_tensor=alpha,
-        b_tensor=weight,
-        sfb_tensor=sfb,
-        bias_tensor=bias,
-        norm_const_tensor=norm_const,
-        d_dtype=out_dtype,
-        d_tensor=d_tensor,
-        sf_vec_size=MX_BLOCK,
-    )
+    kwargs = _dense_operands(a, sfa, padded_offsets, alpha, weight, sfb, bias)
+    kwargs.update(norm_const_tensor=norm_const, d_dtype=out_dtype, d_tensor=d_tensor, sf_vec_size=MX_BLOCK)
+    return kwargs
 
 
 def dglu_kwargs(

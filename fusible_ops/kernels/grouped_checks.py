@@ -1,8 +1,10 @@
 """Argument checks shared by the grouped-GEMM backends.
 
-Every check runs on shapes, dtypes and host ``split_sizes`` only, so it never reads
-device memory (no host sync on CUDA). Each failure raises before any work, naming the
-backend and the GEMM.
+:class:`~fusible_ops.kernels.base.GroupedGemmBackend` runs them once per public call,
+before any backend hook. Every check runs on shapes, dtypes and host ``split_sizes``
+only, so it never reads device memory (no host sync on CUDA). Each failure raises
+before any work, naming the backend and the GEMM (``where``): ``TypeError`` for a wrong
+dtype, ``ValueError`` for a wrong shape, device or grouping.
 """
 
 from __future__ import annotations
@@ -11,29 +13,31 @@ from collections.abc import Sequence
 
 import torch
 
+from .activation import ActivationSpec
+
 
 def check_operands(
     where: str,
     lhs: torch.Tensor,
-    rhs: torch.Tensor,
+    rhs: torch.Tensor | None,
     split_sizes: Sequence[int] | None,
     offsets: torch.Tensor,
     *,
     lhs_name: str,
-    rhs_name: str,
+    rhs_name: str = "",
     num_groups: int | None = None,
 ) -> int:
-    """Checks the two GEMM operands and the grouping; returns the number of groups.
+    """Checks the GEMM operands and the grouping; returns the number of groups.
 
-    ``lhs`` is the row-grouped ``[M, *]`` operand. ``rhs`` is either the grouped weight
-    ``[G, N, K]`` or, for wgrad, a second row-grouped ``[M, *]`` operand.
+    ``lhs`` is the row-grouped ``[M, *]`` operand. ``rhs`` is the grouped weight
+    ``[G, N, K]``, a second row-grouped ``[M, *]`` operand (wgrad), or None (bias_grad).
     """
     for name, t in ((lhs_name, lhs), (rhs_name, rhs)):
-        if not t.is_floating_point():
+        if t is not None and not t.is_floating_point():
             raise TypeError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
-    if lhs.dtype != rhs.dtype:
+    if rhs is not None and lhs.dtype != rhs.dtype:
         raise TypeError(f"{where}: {lhs_name} dtype {lhs.dtype} != {rhs_name} dtype {rhs.dtype}")
-    if lhs.device != rhs.device:
+    if rhs is not None and lhs.device != rhs.device:
         raise ValueError(f"{where}: {lhs_name} is on {lhs.device} but {rhs_name} is on {rhs.device}")
     if lhs.dim() != 2:
         raise ValueError(f"{where}: {lhs_name} must be 2-D [rows, features], got shape {tuple(lhs.shape)}")
@@ -102,60 +106,93 @@ def host_split_sizes(split_sizes: Sequence[int] | None, offsets: torch.Tensor) -
     return sizes
 
 
-def check_fprop(
+def check_gemm(
     where: str,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    split_sizes: list[int] | None,
-    offsets: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor | None,
-) -> tuple[int, int, int]:
-    """Every check of a backend's ``fprop``; returns ``(groups, out_features, in_features)``."""
-    groups = check_operands(where, x, weight, split_sizes, offsets, lhs_name="x", rhs_name="weight")
-    check_weight(where, weight, groups)
-    n_out, k_in = weight.shape[1], weight.shape[2]
-    if x.shape[1] != k_in:
-        raise ValueError(f"{where}: x has {x.shape[1]} features but weight expects {k_in}")
-    check_bias(where, bias, groups, n_out, x.dtype)
-    check_out(where, out, (x.shape[0], n_out), x.dtype, x.device)
-    return groups, n_out, k_in
-
-
-def check_dgrad(
-    where: str,
-    grad_out: torch.Tensor,
-    weight: torch.Tensor,
-    split_sizes: list[int] | None,
+    kind: str,
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    split_sizes: Sequence[int] | None,
     offsets: torch.Tensor,
     out: torch.Tensor | None,
+    *,
+    bias: torch.Tensor | None = None,
+    lhs_name: str | None = None,
 ) -> tuple[int, int, int]:
-    """Every check of a backend's ``dgrad``; returns ``(groups, out_features, in_features)``."""
-    groups = check_operands(
-        where, grad_out, weight, split_sizes, offsets, lhs_name="grad_out", rhs_name="weight"
-    )
-    check_weight(where, weight, groups)
-    n_out, k_in = weight.shape[1], weight.shape[2]
-    if grad_out.shape[1] != n_out:
-        raise ValueError(f"{where}: grad_out has {grad_out.shape[1]} features but weight has {n_out} outputs")
-    check_out(where, out, (grad_out.shape[0], k_in), grad_out.dtype, grad_out.device)
-    return groups, n_out, k_in
+    """Every check of one grouped GEMM; returns ``(groups, N, K)`` (the weight's, or wgrad's result shape).
+
+    ``kind``: ``"fprop"`` (``lhs`` is ``x``, ``rhs`` the weight, ``bias`` allowed),
+    ``"dgrad"`` (``lhs`` is ``grad_out``, named ``lhs_name`` when given, ``rhs`` the weight)
+    or ``"wgrad"`` (``lhs`` is ``grad_out``, ``rhs`` is ``x``).
+    """
+    name = lhs_name or ("x" if kind == "fprop" else "grad_out")
+    rhs_name = "x" if kind == "wgrad" else "weight"
+    groups = check_operands(where, lhs, rhs, split_sizes, offsets, lhs_name=name, rhs_name=rhs_name)
+    if kind == "wgrad":
+        if rhs.dim() != 2 or rhs.shape[0] != lhs.shape[0]:
+            raise ValueError(
+                f"{where}: x must be [{lhs.shape[0]}, in] like grad_out's rows, got {tuple(rhs.shape)}"
+            )
+        dims = result = (groups, lhs.shape[1], rhs.shape[1])
+    else:
+        check_weight(where, rhs, groups)
+        dims = (groups, rhs.shape[1], rhs.shape[2])
+        inner, outer = (dims[2], dims[1]) if kind == "fprop" else (dims[1], dims[2])
+        if lhs.shape[1] != inner:
+            weight_side = f"expects {inner}" if kind == "fprop" else f"has {inner} outputs"
+            raise ValueError(f"{where}: {name} has {lhs.shape[1]} features but weight {weight_side}")
+        check_bias(where, bias, groups, dims[1], lhs.dtype)
+        result = (lhs.shape[0], outer)
+    check_out(where, out, result, lhs.dtype, lhs.device)
+    return dims
 
 
-def check_wgrad(
-    where: str,
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    split_sizes: list[int] | None,
-    offsets: torch.Tensor,
-    out: torch.Tensor | None,
-) -> tuple[int, int, int]:
-    """Every check of a backend's ``wgrad``; returns the result shape ``(groups, N, K)``."""
-    groups = check_operands(where, grad_out, x, split_sizes, offsets, lhs_name="grad_out", rhs_name="x")
-    if x.dim() != 2 or x.shape[0] != grad_out.shape[0]:
+def check_activation_width(where: str, activation: ActivationSpec, n_pre: int) -> None:
+    """A gated activation needs whole gate/linear blocks in the pre-activation width."""
+    if not activation.gated:
+        return
+    block = 2 * (activation.glu_interleave_size or 1)
+    if n_pre % block:
         raise ValueError(
-            f"{where}: x must be [{grad_out.shape[0]}, in] like grad_out's rows, got {tuple(x.shape)}"
+            f"{where}: {activation.kind} needs the pre-activation width ({n_pre}) to be a multiple of {block}"
         )
-    shape = (groups, grad_out.shape[1], x.shape[1])
-    check_out(where, out, shape, x.dtype, x.device)
-    return shape
+
+
+def check_fc2_dgrad_act(
+    where: str,
+    grad_y: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    split_sizes: list[int] | None,
+    offsets: torch.Tensor,
+    activation: ActivationSpec,
+) -> tuple[int, int, int]:
+    """Every check of ``fc2_dgrad_act`` but the scales'; returns ``(groups, H, N_act)`` of FC2's weight."""
+    dims = check_gemm(where, "dgrad", grad_y, weight, split_sizes, offsets, None, lhs_name="grad_y")
+    rows, n_act = grad_y.shape[0], weight.shape[2]
+    if pre.dim() != 2 or pre.shape[0] != rows:
+        raise ValueError(f"{where}: pre must be [{rows}, N_pre], got {tuple(pre.shape)}")
+    if pre.dtype != grad_y.dtype:
+        raise TypeError(f"{where}: pre dtype {pre.dtype} != grad_y dtype {grad_y.dtype}")
+    if pre.device != grad_y.device:
+        raise ValueError(f"{where}: pre is on {pre.device} but grad_y is on {grad_y.device}")
+    check_activation_width(where, activation, pre.shape[1])
+    if activation.output_features(pre.shape[1]) != n_act:
+        raise ValueError(
+            f"{where}: {activation.kind} of pre with {pre.shape[1]} features gives "
+            f"{activation.output_features(pre.shape[1])}, but weight expects {n_act}"
+        )
+    return dims
+
+
+def check_scales(where: str, scales: torch.Tensor | None, rows_like: torch.Tensor) -> torch.Tensor | None:
+    """Per-row ``scales`` ``[M]`` or ``[M, 1]``, floating, on the rows' device; returned as ``[M]``."""
+    if scales is None:
+        return None
+    rows = rows_like.shape[0]
+    if tuple(scales.shape) not in ((rows,), (rows, 1)):
+        raise ValueError(f"{where}: scales must be [{rows}] (one per row), got {tuple(scales.shape)}")
+    if not scales.is_floating_point():
+        raise TypeError(f"{where}: scales must be floating point, got {scales.dtype}")
+    if scales.device != rows_like.device:
+        raise ValueError(f"{where}: scales are on {scales.device} but the input is on {rows_like.device}")
+    return scales if scales.dim() == 1 else scales.reshape(rows)

@@ -27,7 +27,6 @@ import torch
 
 from .activation import ActivationSpec, activation_backward, activation_forward
 from .cpu_buffer_pool import CpuBufferPool
-from .grouped_checks import check_operands, check_weight
 from .torch_loop import TorchLoopBackend, _row_ranges
 
 _GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -73,26 +72,44 @@ def _blocks(start: int, end: int, block: int):
         yield s, min(s + block, end)
 
 
-def _swiglu_forward_block(pre: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor) -> None:
-    """``out = silu(gate) * linear (* scales)`` for one row block, gate-first halves."""
-    n = pre.shape[-1] // 2
-    act = torch.nn.functional.silu(pre[:, :n]).mul_(pre[:, n:])
-    if scales is None:
+def _forward_block(
+    spec: ActivationSpec, fast: bool, pre: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """``out = act(pre) (* scales)`` for one row block (``fast``: SwiGLU, gate-first halves, by hand)."""
+    if fast:
+        n = pre.shape[-1] // 2
+        act = torch.nn.functional.silu(pre[:, :n]).mul_(pre[:, n:])
+    else:
+        act = activation_forward(spec, pre)
+    _store_act(act, None if scales is None else scales.to(act.dtype).unsqueeze(-1), out)
+
+
+def _store_act(act: torch.Tensor, scale_col: torch.Tensor | None, out: torch.Tensor) -> None:
+    if scale_col is None:
         out.copy_(act)
     else:
-        torch.mul(act, scales.to(act.dtype).unsqueeze(-1), out=out)
+        torch.mul(act, scale_col, out=out)
 
 
-def _grad_scales_block(act: torch.Tensor, grad_out: torch.Tensor, grad_scales: torch.Tensor) -> None:
-    """Row-wise ``sum(act * grad_out)``: products in the compute dtype, sums in fp32 (fp64 stays fp64)."""
+def _scale_grad(
+    act: torch.Tensor, grad_out: torch.Tensor, scales: torch.Tensor | None, grad_scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(grad_out * scales, scale column)``, the scales' gradient written; ``(grad_out, None)`` unscaled."""
+    if scales is None:
+        return grad_out, None
+    scale_col = scales.to(act.dtype).unsqueeze(-1)
+    # row-wise sum(act * grad_out): products in the compute dtype, sums in fp32 (fp64 stays fp64)
     acc = torch.float64 if act.dtype == torch.float64 else torch.float32
     if grad_scales.dtype == acc:
         torch.sum(act * grad_out, dim=-1, dtype=acc, out=grad_scales)
     else:
         grad_scales.copy_((act * grad_out).sum(-1, dtype=acc))
+    return grad_out * scale_col, scale_col
 
 
-def _swiglu_backward_block(
+def _backward_block(
+    spec: ActivationSpec,
+    fast: bool,
     pre: torch.Tensor,
     scales: torch.Tensor | None,
     grad_out: torch.Tensor,
@@ -100,64 +117,29 @@ def _swiglu_backward_block(
     grad_scales: torch.Tensor | None,
     act_out: torch.Tensor,
 ) -> None:
-    """SwiGLU backward for one row block; also writes the recomputed (scaled) activation.
+    """Activation backward for one row block; also writes the recomputed (scaled) activation.
 
     ``grad_out`` may be the same memory as ``act_out``: it is fully read before
-    ``act_out`` is written.
+    ``act_out`` is written. ``fast``: SwiGLU (gate-first halves) by hand; otherwise the
+    reference math of :mod:`.activation`.
     """
+    if not fast:
+        act = activation_forward(spec, pre)
+        grad_act, scale_col = _scale_grad(act, grad_out, scales, grad_scales)
+        grad_pre.copy_(activation_backward(spec, pre, grad_act))
+        _store_act(act, scale_col, act_out)
+        return
     n = pre.shape[-1] // 2
     gate, linear = pre[:, :n], pre[:, n:]
     sig = torch.sigmoid(gate)
     silu = gate * sig
     act = silu * linear
-    if scales is None:
-        grad_act = grad_out
-    else:
-        scale_col = scales.to(act.dtype).unsqueeze(-1)
-        _grad_scales_block(act, grad_out, grad_scales)
-        grad_act = grad_out * scale_col
+    grad_act, scale_col = _scale_grad(act, grad_out, scales, grad_scales)
     torch.mul(grad_act, silu, out=grad_pre[:, n:])
     # d silu / d gate = sig + silu * (1 - sig); times linear for the gate's gradient
     dsilu = silu.addcmul_(silu, sig, value=-1).add_(sig).mul_(linear)
     torch.mul(grad_act, dsilu, out=grad_pre[:, :n])
-    if scales is None:
-        act_out.copy_(act)
-    else:
-        torch.mul(act, scale_col, out=act_out)
-
-
-def _generic_forward_block(
-    spec: ActivationSpec, pre: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor
-) -> None:
-    act = activation_forward(spec, pre)
-    if scales is None:
-        out.copy_(act)
-    else:
-        torch.mul(act, scales.to(act.dtype).unsqueeze(-1), out=out)
-
-
-def _generic_backward_block(
-    spec: ActivationSpec,
-    pre: torch.Tensor,
-    scales: torch.Tensor | None,
-    grad_out: torch.Tensor,
-    grad_pre: torch.Tensor,
-    grad_scales: torch.Tensor | None,
-    act_out: torch.Tensor,
-) -> None:
-    """Reference activation math for one row block; ``grad_out`` may alias ``act_out``."""
-    act = activation_forward(spec, pre)
-    if scales is None:
-        grad_act = grad_out
-    else:
-        scale_col = scales.to(act.dtype).unsqueeze(-1)
-        _grad_scales_block(act, grad_out, grad_scales)
-        grad_act = grad_out * scale_col
-    grad_pre.copy_(activation_backward(spec, pre, grad_act))
-    if scales is None:
-        act_out.copy_(act)
-    else:
-        torch.mul(act, scale_col, out=act_out)
+    _store_act(act, scale_col, act_out)
 
 
 class TorchCpuBackend(TorchLoopBackend):
@@ -194,32 +176,31 @@ class TorchCpuBackend(TorchLoopBackend):
             return f"{self.name}: dtype {dtype} is not a floating-point dtype"
         return None
 
-    # ------------------------------------------------------------ GEMMs without a caller buffer
-    # A small problem whose groups cover every row: _grouped_mm's own result is the output.
-    def _fprop_unbuffered(self, x, weight, bias, sizes: list[int]) -> torch.Tensor | None:
+    # ------------------------------------------------------------ GEMM hooks (arguments checked, host sizes)
+    # Without a caller buffer, a small problem whose groups cover every row takes
+    # _grouped_mm's own result as the output; otherwise the loop backend's bodies below.
+    def _fprop(self, x, weight, split_sizes, offsets, bias, out) -> torch.Tensor:
         groups, n_out, k_in = weight.shape
-        if not self._whole_grouped_mm(x, sizes, groups, n_out, k_in):
-            return None
-        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=self._offs(sizes))
+        if out is not None or not self._whole_grouped_mm(x, split_sizes, groups, n_out, k_in):
+            return super()._fprop(x, weight, split_sizes, offsets, bias, out)
+        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=self._offs(split_sizes))
         if bias is not None:
-            y.add_(bias.index_select(0, self._group_tables(sizes, x.device, x.dtype)[2]))
+            y.add_(bias.index_select(0, self._group_tables(split_sizes, x.device, x.dtype)[2]))
         return y
 
-    def _dgrad_unbuffered(self, grad_out, weight, sizes: list[int]) -> torch.Tensor | None:
+    def _dgrad(self, grad_out, weight, split_sizes, offsets, out) -> torch.Tensor:
         groups, n_out, k_in = weight.shape
-        if not self._whole_grouped_mm(grad_out, sizes, groups, n_out, k_in):
-            return None
-        return torch._grouped_mm(grad_out, _dgrad_operand(weight), offs=self._offs(sizes))
+        if out is not None or not self._whole_grouped_mm(grad_out, split_sizes, groups, n_out, k_in):
+            return super()._dgrad(grad_out, weight, split_sizes, offsets, out)
+        return torch._grouped_mm(grad_out, _dgrad_operand(weight), offs=self._offs(split_sizes))
 
-    def _wgrad_unbuffered(self, grad_out, x, sizes: list[int], shape) -> torch.Tensor | None:
-        groups, n_out, k_in = shape
-        if not (
-            self._whole_grouped_mm(x, sizes, groups, n_out, k_in)
-            and self._grouped_mm_takes(grad_out, n_out, k_in)
-        ):
-            return None
-        result = torch._grouped_mm(grad_out.t(), x, offs=self._offs(sizes))
-        _zero_empty_groups(result, sizes)
+    def _wgrad(self, grad_out, x, split_sizes, offsets, out) -> torch.Tensor:
+        groups, n_out, k_in = len(split_sizes), grad_out.shape[1], x.shape[1]
+        whole = self._whole_grouped_mm(x, split_sizes, groups, n_out, k_in)
+        if out is not None or not (whole and self._grouped_mm_takes(grad_out, n_out, k_in)):
+            return super()._wgrad(grad_out, x, split_sizes, offsets, out)
+        result = torch._grouped_mm(grad_out.t(), x, offs=self._offs(split_sizes))
+        _zero_empty_groups(result, split_sizes)
         return result
 
     def _whole_grouped_mm(
@@ -232,15 +213,8 @@ class TorchCpuBackend(TorchLoopBackend):
             and self._grouped_mm_takes(rows, n_out, k_in)
         )
 
-    # ------------------------------------------------------------ GEMM bodies (after validation)
-    def _fprop_groups(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        sizes: list[int],
-        out: torch.Tensor,
-    ) -> None:
+    # ------------------------------------------------------------ GEMM bodies (into ``out``)
+    def _fprop_groups(self, x, weight, bias, sizes: list[int], out) -> None:
         groups, n_out, k_in = weight.shape
         covered = sum(sizes)
         if self._is_small(groups, covered, n_out, k_in) and self._grouped_mm_takes(x, n_out, k_in):
@@ -263,9 +237,7 @@ class TorchCpuBackend(TorchLoopBackend):
             if bias is not None:
                 out[start:end].add_(bias[g])
 
-    def _dgrad_groups(
-        self, grad_out: torch.Tensor, weight: torch.Tensor, sizes: list[int], out: torch.Tensor
-    ) -> None:
+    def _dgrad_groups(self, grad_out, weight, sizes: list[int], out) -> None:
         groups, n_out, k_in = weight.shape
         covered = sum(sizes)
         if self._is_small(groups, covered, n_out, k_in) and self._grouped_mm_takes(grad_out, n_out, k_in):
@@ -279,9 +251,7 @@ class TorchCpuBackend(TorchLoopBackend):
                 return
         super()._dgrad_groups(grad_out, weight, sizes, out)
 
-    def _wgrad_groups(
-        self, grad_out: torch.Tensor, x: torch.Tensor, sizes: list[int], out: torch.Tensor
-    ) -> None:
+    def _wgrad_groups(self, grad_out, x, sizes: list[int], out) -> None:
         groups, n_out, k_in = out.shape
         covered = sum(sizes)
         if self._is_small(groups, covered, n_out, k_in) and self._grouped_mm_takes(x, n_out, k_in):
@@ -297,92 +267,38 @@ class TorchCpuBackend(TorchLoopBackend):
                 return
         super()._wgrad_groups(grad_out, x, sizes, out)
 
-    # ------------------------------------------------------------ fused entry points
-    def fc1_fprop_act(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        activation: ActivationSpec,
-        scales: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """FC1 then ``act(pre) * scales``: ``x [M, K] -> (pre [M, N], act [M, N or N/2])``."""
-        where = f"{self.name}.fc1_fprop_act"
-        self._check_act_inputs(where, activation, weight.shape[1], scales, x.shape[0], x.device)
-        pre = self.fprop(x, weight, split_sizes, offsets, bias=bias)
+    # ------------------------------------------------------------ fused hooks (arguments checked)
+    def _fc1_fprop_act(self, x, weight, bias, split_sizes, offsets, activation, scales):
+        """FC1, then ``act(pre) * scales`` by row blocks."""
+        pre = self._fprop(x, weight, split_sizes, offsets, bias, None)
         act = self._empty((pre.shape[0], activation.output_features(pre.shape[1])), pre)
         fast = self._is_fast_swiglu(activation)
         for s, e in _blocks(0, pre.shape[0], self._block_rows(pre)):
-            block_scales = None if scales is None else scales[s:e]
-            if fast:
-                _swiglu_forward_block(pre[s:e], block_scales, act[s:e])
-            else:
-                _generic_forward_block(activation, pre[s:e], block_scales, act[s:e])
+            _forward_block(activation, fast, pre[s:e], None if scales is None else scales[s:e], act[s:e])
         return pre, act
 
-    def fc2_dgrad_act(
-        self,
-        grad_y: torch.Tensor,
-        weight: torch.Tensor,
-        pre: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        activation: ActivationSpec,
-        scales: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """FC2 dgrad fused with the activation backward, block by block.
+    def _fc2_dgrad_act(self, grad_y, weight, pre, split_sizes, offsets, activation, scales):
+        """FC2 dgrad into the activation's memory, then the activation backward by row blocks.
 
-        ``grad_y [M, H]``, ``weight [G, H, F]``, ``pre [M, N]`` -> ``(grad_pre [M, N],
-        grad_scales [M] or None, act [M, F])``; ``act`` is the recomputed FC2 input.
+        ``grad_act`` is computed into ``act``'s memory with whole-group GEMMs; each row block
+        reads it and then overwrites it with the recomputed activation (no ``[M, F]`` temporary).
         """
-        where = f"{self.name}.fc2_dgrad_act"
-        groups = check_operands(
-            where, grad_y, weight, split_sizes, offsets, lhs_name="grad_y", rhs_name="weight"
-        )
-        check_weight(where, weight, groups)
-        if grad_y.shape[1] != weight.shape[1]:
-            raise ValueError(
-                f"{where}: grad_y has {grad_y.shape[1]} features but weight has {weight.shape[1]} outputs"
-            )
-        rows, act_features = grad_y.shape[0], weight.shape[2]
-        if pre.dim() != 2 or pre.shape[0] != rows or pre.dtype != grad_y.dtype:
-            raise ValueError(
-                f"{where}: pre must be [{rows}, *] of {grad_y.dtype}, got {tuple(pre.shape)} {pre.dtype}"
-            )
-        if activation.output_features(pre.shape[1]) != act_features:
-            raise ValueError(
-                f"{where}: {activation.kind} of pre's {pre.shape[1]} features gives "
-                f"{activation.output_features(pre.shape[1])}, but weight expects {act_features}"
-            )
-        self._check_act_inputs(where, activation, pre.shape[1], scales, rows, grad_y.device)
-        sizes = self._sizes(where, split_sizes, offsets, grad_y)
-
+        rows = grad_y.shape[0]
         grad_pre = self._empty(tuple(pre.shape), pre)
-        act = self._empty((rows, act_features), pre)
+        act = self._empty((rows, weight.shape[2]), pre)
         grad_scales = None if scales is None else torch.empty(rows, dtype=scales.dtype, device=scales.device)
-        covered = sum(sizes)
-        if covered < rows:
-            grad_pre[covered:].zero_()
-            act[covered:].zero_()
-            if grad_scales is not None:
-                grad_scales[covered:].zero_()
-        # grad_act is computed into act's memory with whole-group GEMMs; each row block
-        # reads it and then overwrites it with the recomputed activation (no [M, F] temporary).
-        self.dgrad(grad_y, weight, sizes, offsets, out=act)
+        covered = sum(split_sizes)
+        for tail in (grad_pre, act, grad_scales):
+            if tail is not None and covered < rows:
+                tail[covered:].zero_()
+        self._dgrad(grad_y, weight, split_sizes, offsets, act)
         fast = self._is_fast_swiglu(activation)
         for s, e in _blocks(0, covered, self._block_rows(pre)):
             block_scales = None if scales is None else scales[s:e]
             block_grad_scales = None if grad_scales is None else grad_scales[s:e]
-            if fast:
-                _swiglu_backward_block(
-                    pre[s:e], block_scales, act[s:e], grad_pre[s:e], block_grad_scales, act[s:e]
-                )
-            else:
-                _generic_backward_block(
-                    activation, pre[s:e], block_scales, act[s:e], grad_pre[s:e], block_grad_scales, act[s:e]
-                )
+            _backward_block(
+                activation, fast, pre[s:e], block_scales, act[s:e], grad_pre[s:e], block_grad_scales, act[s:e]
+            )
         return grad_pre, grad_scales, act
 
     # ------------------------------------------------------------ helpers
@@ -458,27 +374,3 @@ class TorchCpuBackend(TorchLoopBackend):
     @staticmethod
     def _is_fast_swiglu(activation: ActivationSpec) -> bool:
         return activation.kind == "swiglu" and activation.glu_interleave_size is None
-
-    @staticmethod
-    def _check_act_inputs(
-        where: str,
-        activation: ActivationSpec,
-        pre_features: int,
-        scales: torch.Tensor | None,
-        rows: int,
-        device: torch.device,
-    ) -> None:
-        if activation.gated:
-            block = 2 * (activation.glu_interleave_size or 1)
-            if pre_features % block:
-                raise ValueError(
-                    f"{where}: {activation.kind} needs the pre-activation width ({pre_features}) "
-                    f"to be a multiple of {block}"
-                )
-        if scales is not None:
-            if scales.dim() != 1 or scales.shape[0] != rows:
-                raise ValueError(f"{where}: scales must be [{rows}], got shape {tuple(scales.shape)}")
-            if not scales.is_floating_point():
-                raise TypeError(f"{where}: scales must be floating point, got {scales.dtype}")
-            if scales.device != device:
-                raise ValueError(f"{where}: scales are on {scales.device} but the input is on {device}")

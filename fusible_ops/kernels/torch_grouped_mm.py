@@ -22,11 +22,6 @@ from __future__ import annotations
 import torch
 
 from .base import GroupedGemmBackend, group_ids_from_offsets
-from .grouped_checks import (
-    check_dgrad,
-    check_fprop,
-    check_wgrad,
-)
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ALIGN_BYTES = 16
@@ -111,23 +106,8 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
                 return f"torch._grouped_mm needs {name} ({size}) to be a multiple of {elems} for {dtype}"
         return None
 
-    # ------------------------------------------------------------ grouped GEMMs
-    def fprop(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``: ``[M, K] -> [M, N]``."""
-        where = f"{self.name}.fprop"
-        groups, n_out, k_in = check_fprop(where, x, weight, split_sizes, offsets, bias, out)
-        self._check_layout(where, k_in, n_out, x.dtype)
-        if x.shape[0] == 0:
-            return out if out is not None else x.new_empty(0, n_out)
+    # ------------------------------------------------------------ hooks (arguments checked)
+    def _fprop(self, x, weight, split_sizes, offsets, bias, out) -> torch.Tensor:
         # weight[g].T as a column-major [K, N] operand: no copy for a contiguous weight.
         result = torch._grouped_mm(
             _aligned_2d(x), weight.contiguous().transpose(-2, -1), offs=self._offs(offsets)
@@ -136,39 +116,11 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
             self._add_bias(result, bias, split_sizes, offsets)
         return self._deliver(result, out, split_sizes, offsets)
 
-    def dgrad(
-        self,
-        grad_out: torch.Tensor,
-        weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[rows_g] = grad_out[rows_g] @ weight[g]``: ``[M, N] -> [M, K]``."""
-        where = f"{self.name}.dgrad"
-        groups, n_out, k_in = check_dgrad(where, grad_out, weight, split_sizes, offsets, out)
-        self._check_layout(where, k_in, n_out, grad_out.dtype)
-        if grad_out.shape[0] == 0:
-            return out if out is not None else grad_out.new_empty(0, k_in)
+    def _dgrad(self, grad_out, weight, split_sizes, offsets, out) -> torch.Tensor:
         result = torch._grouped_mm(_aligned_2d(grad_out), weight.contiguous(), offs=self._offs(offsets))
         return self._deliver(result, out, split_sizes, offsets)
 
-    def wgrad(
-        self,
-        grad_out: torch.Tensor,
-        x: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[g] = grad_out[rows_g].T @ x[rows_g]``: ``[G, N, K]``, zeros for empty groups."""
-        where = f"{self.name}.wgrad"
-        shape = check_wgrad(where, grad_out, x, split_sizes, offsets, out)
-        self._check_layout(where, x.shape[1], grad_out.shape[1], x.dtype)
-        if grad_out.shape[0] == 0:
-            return out.zero_() if out is not None else x.new_zeros(shape)
+    def _wgrad(self, grad_out, x, split_sizes, offsets, out) -> torch.Tensor:
         # grad_out.T of a row-major [M, N] is the column-major [N, M] operand _grouped_mm wants.
         result = torch._grouped_mm(_aligned_2d(grad_out).t(), _aligned_2d(x), offs=self._offs(offsets))
         # empty groups must get zeros; some _grouped_mm builds leave them unwritten (pytorch#172439)
@@ -180,11 +132,6 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
         return out.copy_(result)
 
     # ------------------------------------------------------------ helpers
-    def _check_layout(self, where: str, k_in: int, n_out: int, dtype: torch.dtype) -> None:
-        problem = self.shape_problem(k_in, n_out, dtype)
-        if problem is not None:
-            raise ValueError(f"{where}: {problem}; use the torch_loop backend for this shape")
-
     @staticmethod
     def _offs(offsets: torch.Tensor) -> torch.Tensor:
         return offsets if offsets.dtype == torch.int32 else offsets.to(torch.int32)

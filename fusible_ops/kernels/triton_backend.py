@@ -20,16 +20,7 @@ import sys
 
 import torch
 
-from .activation import ActivationSpec
 from .base import GroupedGemmBackend
-from .grouped_checks import (
-    check_bias,
-    check_dgrad,
-    check_fprop,
-    check_operands,
-    check_weight,
-    check_wgrad,
-)
 
 _CUDA_DTYPES = (torch.bfloat16, torch.float16)
 # bfloat16 tl.dot returns garbage in the triton 3.9 interpreter (numpy has no bfloat16).
@@ -124,189 +115,47 @@ class TritonBackend(GroupedGemmBackend):
         tuning = "autotuned per shape" if autotune_enabled() else "autotuning off: default tiles"
         return f"compiled Triton kernels ({tuning})"
 
-    def _require(self, where: str, t: torch.Tensor) -> None:
-        reason = self.probe(t.device, t.dtype)
+    def _check_runnable(self, where: str, rows: torch.Tensor) -> None:
+        reason = self.probe(rows.device, rows.dtype)
         if reason is not None:
-            raise RuntimeError(f"{where}: cannot run on {t.device.type} {t.dtype}: {reason}")
+            raise RuntimeError(f"{where}: cannot run on {rows.device.type} {rows.dtype}: {reason}")
 
-    # ------------------------------------------------------------ grouped GEMMs
-    def fprop(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``: ``[M, K] -> [M, N]``."""
-        where = f"{self.name}.fprop"
-        groups, n_out, k_in = check_fprop(where, x, weight, split_sizes, offsets, bias, out)
-        self._require(where, x)
+    # ------------------------------------------------------------ hooks (arguments checked)
+    def _fprop(self, x, weight, split_sizes, offsets, bias, out) -> torch.Tensor:
+        return self._grouped_mm(x, weight.transpose(1, 2), offsets, bias, out)
+
+    def _dgrad(self, grad_out, weight, split_sizes, offsets, out) -> torch.Tensor:
+        return self._grouped_mm(grad_out, weight, offsets, None, out)
+
+    def _wgrad(self, grad_out, x, split_sizes, offsets, out) -> torch.Tensor:
         from . import triton_launch
 
-        result = out if out is not None else torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
-        return triton_launch.grouped_mm(
-            x,
-            weight.transpose(1, 2),
-            offsets.contiguous(),
-            result,
-            bias=bias,
-            zero_tail=out is None,
-            autotune=autotune_enabled(),
-        )
+        if out is None:
+            out = x.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
+        return triton_launch.wgrad(grad_out, x, offsets.contiguous(), out, autotune=autotune_enabled())
 
-    def dgrad(
-        self,
-        grad_out: torch.Tensor,
-        weight: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[rows_g] = grad_out[rows_g] @ weight[g]``: ``[M, N] -> [M, K]``."""
-        where = f"{self.name}.dgrad"
-        groups, n_out, k_in = check_dgrad(where, grad_out, weight, split_sizes, offsets, out)
-        self._require(where, grad_out)
-        from . import triton_launch
-
-        rows = grad_out.shape[0]
-        result = (
-            out if out is not None else torch.empty(rows, k_in, dtype=grad_out.dtype, device=grad_out.device)
-        )
-        return triton_launch.grouped_mm(
-            grad_out,
-            weight,
-            offsets.contiguous(),
-            result,
-            bias=None,
-            zero_tail=out is None,
-            autotune=autotune_enabled(),
-        )
-
-    def wgrad(
-        self,
-        grad_out: torch.Tensor,
-        x: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out[g] = grad_out[rows_g].T @ x[rows_g]``: ``[G, N, K]``, zeros for empty groups."""
-        where = f"{self.name}.wgrad"
-        shape = check_wgrad(where, grad_out, x, split_sizes, offsets, out)
-        self._require(where, x)
-        from . import triton_launch
-
-        result = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-        return triton_launch.wgrad(grad_out, x, offsets.contiguous(), result, autotune=autotune_enabled())
-
-    # ------------------------------------------------------------ fused entry points
-    def fc1_fprop_act(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        activation: ActivationSpec,
-        scales: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fc1_fprop_act(self, x, weight, bias, split_sizes, offsets, activation, scales):
         """FC1 with ``act(pre) * scales`` in the epilogue: ``(pre [M, N_pre], act_scaled [M, N_act])``."""
-        where = f"{self.name}.fc1_fprop_act"
-        groups = check_operands(where, x, weight, split_sizes, offsets, lhs_name="x", rhs_name="weight")
-        check_weight(where, weight, groups)
-        n_pre, k_in = weight.shape[1], weight.shape[2]
-        if x.shape[1] != k_in:
-            raise ValueError(f"{where}: x has {x.shape[1]} features but weight expects {k_in}")
-        check_bias(where, bias, groups, n_pre, x.dtype)
-        _check_activation_width(where, activation, n_pre)
-        _check_scales(where, scales, x)
-        self._require(where, x)
         from . import triton_launch
 
         return triton_launch.fc1_act(
-            x, weight, bias, offsets.contiguous(), activation, _scales_1d(scales), autotune=autotune_enabled()
+            x, weight, bias, offsets.contiguous(), activation, scales, autotune=autotune_enabled()
         )
 
-    def fc2_dgrad_act(
-        self,
-        grad_y: torch.Tensor,
-        weight: torch.Tensor,
-        pre: torch.Tensor,
-        split_sizes: list[int] | None,
-        offsets: torch.Tensor,
-        activation: ActivationSpec,
-        scales: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """FC2 dgrad with d(activation) and d(scales) in the epilogue.
-
-        ``grad_y [M, H]``, FC2 ``weight [G, H, N_act]``, ``pre [M, N_pre]``. Returns
-        ``(grad_pre, grad_scales, act_scaled)``; ``grad_scales`` has ``scales``' dtype and shape.
-        """
-        where = f"{self.name}.fc2_dgrad_act"
-        groups = check_operands(
-            where, grad_y, weight, split_sizes, offsets, lhs_name="grad_y", rhs_name="weight"
-        )
-        check_weight(where, weight, groups)
-        h_out, n_act = weight.shape[1], weight.shape[2]
-        if grad_y.shape[1] != h_out:
-            raise ValueError(f"{where}: grad_y has {grad_y.shape[1]} features but weight has {h_out} outputs")
-        if pre.dim() != 2 or pre.shape[0] != grad_y.shape[0]:
-            raise ValueError(f"{where}: pre must be [{grad_y.shape[0]}, N_pre], got {tuple(pre.shape)}")
-        if pre.dtype != grad_y.dtype or pre.device != grad_y.device:
-            raise TypeError(
-                f"{where}: pre ({pre.dtype}, {pre.device}) must match "
-                f"grad_y ({grad_y.dtype}, {grad_y.device})"
-            )
-        _check_activation_width(where, activation, pre.shape[1])
-        if activation.output_features(pre.shape[1]) != n_act:
-            raise ValueError(
-                f"{where}: {activation.kind} of pre with {pre.shape[1]} features gives "
-                f"{activation.output_features(pre.shape[1])}, but weight expects {n_act}"
-            )
-        _check_scales(where, scales, grad_y)
-        self._require(where, grad_y)
+    def _fc2_dgrad_act(self, grad_y, weight, pre, split_sizes, offsets, activation, scales):
+        """FC2 dgrad with d(activation) and d(scales) in the epilogue."""
         from . import triton_launch
 
-        grad_pre, grad_scales, act = triton_launch.fc2_dgrad_act(
-            grad_y,
-            weight,
-            pre,
-            offsets.contiguous(),
-            activation,
-            _scales_1d(scales),
-            autotune=autotune_enabled(),
-        )
-        if grad_scales is not None:
-            grad_scales = grad_scales.to(scales.dtype).reshape(scales.shape)
-        return grad_pre, grad_scales, act
-
-
-def _check_activation_width(where: str, activation: ActivationSpec, n_pre: int) -> None:
-    if not activation.gated:
-        return
-    block = 2 * (activation.glu_interleave_size or 1)
-    if n_pre % block:
-        raise ValueError(
-            f"{where}: {activation.kind} needs the pre-activation width ({n_pre}) to be a multiple of {block}"
+        return triton_launch.fc2_dgrad_act(
+            grad_y, weight, pre, offsets.contiguous(), activation, scales, autotune=autotune_enabled()
         )
 
+    @staticmethod
+    def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets, bias, out) -> torch.Tensor:
+        """``out[rows_g] = a[rows_g] @ b[g] (+ bias[g])``; a fresh output gets zeros past the last group."""
+        from . import triton_launch
 
-def _check_scales(where: str, scales: torch.Tensor | None, rows_like: torch.Tensor) -> None:
-    if scales is None:
-        return
-    rows = rows_like.shape[0]
-    if tuple(scales.shape) not in ((rows,), (rows, 1)):
-        raise ValueError(f"{where}: scales must be [{rows}] (one per row), got {tuple(scales.shape)}")
-    if not scales.is_floating_point():
-        raise TypeError(f"{where}: scales must be floating point, got {scales.dtype}")
-    if scales.device != rows_like.device:
-        raise ValueError(f"{where}: scales are on {scales.device} but the input is on {rows_like.device}")
-
-
-def _scales_1d(scales: torch.Tensor | None) -> torch.Tensor | None:
-    return None if scales is None else scales.reshape(scales.shape[0])
+        result = out if out is not None else a.new_empty(a.shape[0], b.shape[2])
+        return triton_launch.grouped_mm(
+            a, b, offsets.contiguous(), result, bias=bias, zero_tail=out is None, autotune=autotune_enabled()
+        )
