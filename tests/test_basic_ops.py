@@ -465,3 +465,11 @@ def test_the_plan_says_whether_the_activation_runs_fused_as_the_table_says():
                 ).decisions
             fused = "fused with the GEMMs" in decision.reason
             assert fused == (backend in ACTIVATIONS[cls.kind].epilogue_backends), (cls.__name__, backend)
+
+
+def test_the_triton_kernels_know_every_activation_of_the_table():
+    pytest.importorskip("triton")
+    from fusible_ops.kernels.activation import ACTIVATIONS
+    from fusible_ops.kernels.triton_kernels import _ACT_CODES
+
+    assert set(_ACT_CODES) == {k for k, row in ACTIVATIONS.items() if "triton" in row.epilogue_backends}

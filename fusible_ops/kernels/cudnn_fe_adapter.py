@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .activation import ActivationSpec, split_gate_linear
+from .activation import ACTIVATIONS, ActivationSpec, split_gate_linear
 
 M_ALIGN = 256
 GLU_BLOCK = 32
@@ -159,7 +159,7 @@ def is_identity_permutation(perm: torch.Tensor) -> bool:
 
 def glu_unsupported_reason(spec: ActivationSpec) -> str | None:
     """Why the fused GLU kernels cannot compute ``spec`` (None when they can)."""
-    if spec.kind == "swiglu" or spec.kind == "clamped_swiglu":
+    if "cudnn" in ACTIVATIONS[spec.kind].epilogue_backends:  # the activation table
         return None
     if spec.kind == "geglu":
         return "the frontend's 'geglu' is the clamped GPT-OSS form, not tanh-GELU GEGLU"
