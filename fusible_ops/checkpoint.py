@@ -34,8 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .basic.grouped_linear import GroupedLinear
 from .kernels.activation import join_gate_linear, split_gate_linear
 from .moe import ExpertPlacement
+from .sequential import Sequential
 
 
 @dataclass
@@ -55,9 +57,6 @@ class _Experts:
 
 def _experts_of(target: nn.Module) -> nn.Module:
     """The experts Sequential of ``target`` (an MoE, or that Sequential itself), checked."""
-    from .basic.grouped_linear import GroupedLinear
-    from .sequential import Sequential
-
     experts = getattr(target, "experts", target) if isinstance(target, nn.Module) else target
     shape_ok = isinstance(experts, Sequential) and len(experts) == 3
     if not shape_ok or not all(isinstance(experts[i], GroupedLinear) for i in (0, 2)):
@@ -443,21 +442,20 @@ def load_grouped_keys(
         for kind in kinds
     }
     _check_no_unplaced_keys(state_dict, rf"{re.escape(prefix)}[02]\.(?:weight|bias)\d+", allowed)
-    loaded = {}
+    # every tensor is checked first; then each GroupedLinear reads its per-group keys
+    # ({kind}{local group}) itself, the one place that stacks them
+    per_op: dict[GroupedLinear, dict[str, torch.Tensor]] = {fc1: {}, fc2: {}}
     for op_index, op in ((0, fc1), (2, fc2)):
         for kind in kinds:
-            rows = []
-            for e in ids:
+            param = getattr(op, kind)
+            for local, e in enumerate(ids):
                 key = f"{prefix}{op_index}.{kind}{e}"
                 if key not in state_dict:
                     raise ValueError(f"checkpoint: missing key {key!r}")
-                param = getattr(op, kind)
                 _check(key, state_dict[key], tuple(param.shape[1:]), param.device)
-                rows.append(state_dict[key].to(param.device))
-            loaded[(op, kind)] = torch.stack(rows)
-    with torch.no_grad():
-        for (op, kind), value in loaded.items():
-            getattr(op, kind).copy_(value)
+                per_op[op][f"{kind}{local}"] = state_dict[key].to(param.device)
+    for op, local_state in per_op.items():
+        op.load_state_dict(local_state)
 
 
 def export_grouped_keys(target: nn.Module, prefix: str = "experts.") -> dict[str, torch.Tensor]:
