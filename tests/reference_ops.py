@@ -92,3 +92,28 @@ def expert_block(x, fc1_weight, probs, fc2_weight, split_sizes, kind="swiglu", f
     hidden = grouped_linear(x, fc1_weight, fc1_bias, split_sizes)
     act = activation(kind, hidden) * probs.reshape(*hidden.shape[:-1], 1)
     return grouped_linear(act, fc2_weight, fc2_bias, split_sizes)
+
+
+def activation_of(spec, pre: torch.Tensor) -> torch.Tensor:
+    """:func:`activation` for an ``ActivationSpec``-like object (kind, interleave, clamp options), in float64."""
+    options = {}
+    if spec.kind == "clamped_swiglu":
+        options = {"limit": spec.limit, "alpha": spec.alpha, "offset": spec.glu_linear_offset}
+    return activation(spec.kind, pre.double(), spec.glu_interleave_size, **options)
+
+
+def offsets_of(split_sizes, device: torch.device | str | None = None) -> torch.Tensor:
+    """int32 inclusive cumulative row counts ``[G]`` (what the kernels take as ``offsets``)."""
+    return torch.tensor(list(split_sizes), dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def group_ids_of(
+    split_sizes, rows: int | None = None, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The group of every row; with ``rows``, rows past the last group get -1."""
+    ids = torch.repeat_interleave(
+        torch.arange(len(split_sizes)), torch.tensor(list(split_sizes), dtype=torch.int64)
+    )
+    if rows is not None:
+        ids = torch.cat([ids, torch.full((rows - ids.numel(),), -1, dtype=torch.int64)])
+    return ids.to(device)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_ops import offsets_of
 
 from fusible_ops.kernels import cudnn_fe_adapter as adapter
 from fusible_ops.kernels import cudnn_fe_probe as probe_mod
@@ -248,10 +249,6 @@ def ref_act(spec, pre):
         return gate * torch.sigmoid(gate) * lin
     g = gate.clamp(max=spec.limit)
     return g * torch.sigmoid(spec.alpha * g) * (lin.clamp(-spec.limit, spec.limit) + spec.glu_linear_offset)
-
-
-def offsets_of(splits):
-    return torch.tensor(splits, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
 SPLITS = [[3, 0, 300, 1], [256, 0, 512], [0, 0], [5]]

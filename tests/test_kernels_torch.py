@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference_ops import group_ids_of, offsets_of
 
 from fusible_ops.kernels.activation import ActivationSpec
 from fusible_ops.kernels.cpu_buffer_pool import CpuBufferPool
@@ -57,16 +58,6 @@ def make_backend(name: str, dtype: torch.dtype, row_block: int = 7):
     return backend
 
 
-def offsets_of(split_sizes: list[int]) -> torch.Tensor:
-    return torch.tensor(split_sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
-
-
-def group_ids_of(split_sizes: list[int]) -> torch.Tensor:
-    return torch.repeat_interleave(
-        torch.arange(len(split_sizes)), torch.tensor(split_sizes, dtype=torch.int64)
-    )
-
-
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     if expected.numel() == 0:
@@ -108,36 +99,6 @@ def ref_bias_grad(grad_out, split_sizes):
     gid = group_ids_of(split_sizes)
     onehot = torch.nn.functional.one_hot(gid, len(split_sizes)).double()
     return onehot.t() @ grad_out[: gid.numel()].double()
-
-
-def _gelu_tanh(v):
-    return 0.5 * v * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
-
-
-def ref_activation(spec: ActivationSpec, pre: torch.Tensor) -> torch.Tensor:
-    if not spec.gated:
-        return {
-            "relu": lambda v: torch.where(v > 0, v, 0.0),
-            "gelu": _gelu_tanh,
-            "silu": lambda v: v / (1.0 + torch.exp(-v)),
-            "srelu": lambda v: torch.where(v > 0, v * v, 0.0),
-        }[spec.kind](pre)
-    n = pre.shape[-1] // 2
-    if spec.glu_interleave_size is None:
-        gate, lin = pre[:, :n], pre[:, n:]
-    else:
-        k = spec.glu_interleave_size
-        idx = torch.arange(2 * n).reshape(-1, 2, k)
-        gate, lin = pre[:, idx[:, 0, :].reshape(-1)], pre[:, idx[:, 1, :].reshape(-1)]
-    if spec.kind == "swiglu":
-        return gate / (1.0 + torch.exp(-gate)) * lin
-    if spec.kind == "geglu":
-        return _gelu_tanh(gate) * lin
-    if spec.kind == "reglu":
-        return torch.where(gate > 0, gate, 0.0) * lin
-    g = torch.minimum(gate, torch.tensor(spec.limit, dtype=gate.dtype))
-    lin = torch.clamp(lin, -spec.limit, spec.limit)
-    return g / (1.0 + torch.exp(-spec.alpha * g)) * (lin + spec.glu_linear_offset)
 
 
 ACTIVATIONS = [
@@ -317,6 +278,36 @@ def test_grouped_mm_on_cuda_matches_reference_without_host_sync():
 
 
 # ---------------------------------------------------------------- fused activation entry points
+
+
+def _gelu_tanh(v):
+    return 0.5 * v * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+
+
+def ref_activation(spec: ActivationSpec, pre: torch.Tensor) -> torch.Tensor:
+    if not spec.gated:
+        return {
+            "relu": lambda v: torch.where(v > 0, v, 0.0),
+            "gelu": _gelu_tanh,
+            "silu": lambda v: v / (1.0 + torch.exp(-v)),
+            "srelu": lambda v: torch.where(v > 0, v * v, 0.0),
+        }[spec.kind](pre)
+    n = pre.shape[-1] // 2
+    if spec.glu_interleave_size is None:
+        gate, lin = pre[:, :n], pre[:, n:]
+    else:
+        k = spec.glu_interleave_size
+        idx = torch.arange(2 * n).reshape(-1, 2, k)
+        gate, lin = pre[:, idx[:, 0, :].reshape(-1)], pre[:, idx[:, 1, :].reshape(-1)]
+    if spec.kind == "swiglu":
+        return gate / (1.0 + torch.exp(-gate)) * lin
+    if spec.kind == "geglu":
+        return _gelu_tanh(gate) * lin
+    if spec.kind == "reglu":
+        return torch.where(gate > 0, gate, 0.0) * lin
+    g = torch.minimum(gate, torch.tensor(spec.limit, dtype=gate.dtype))
+    lin = torch.clamp(lin, -spec.limit, spec.limit)
+    return g / (1.0 + torch.exp(-spec.alpha * g)) * (lin + spec.glu_linear_offset)
 
 
 def ref_mlp_pieces(x, w1, b1, w2, split_sizes, spec, scales, grad_y):

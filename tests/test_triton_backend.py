@@ -14,6 +14,7 @@ every gradient from autograd.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -28,8 +29,10 @@ HAS_CUDA = torch.cuda.is_available()
 if HAS_TRITON and not HAS_CUDA and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import reference_ops as ref  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from reference_ops import activation_of as ref_activation  # noqa: E402
 
 from fusible_ops.kernels.activation import ActivationSpec  # noqa: E402
 from fusible_ops.kernels.triton_backend import TritonBackend, autotune_enabled, set_autotune  # noqa: E402
@@ -81,17 +84,8 @@ ACTIVATIONS = {
 
 # ---------------------------------------------------------------- reference
 
-
-def offsets_of(split_sizes: list[int]) -> torch.Tensor:
-    return torch.tensor(split_sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)
-
-
-def group_ids_of(split_sizes: list[int], rows: int) -> torch.Tensor:
-    """Group of every row; rows past the last group get -1."""
-    ids = torch.repeat_interleave(
-        torch.arange(len(split_sizes)), torch.tensor(split_sizes, dtype=torch.int64)
-    )
-    return torch.cat([ids, torch.full((rows - ids.numel(),), -1, dtype=torch.int64)]).to(DEVICE)
+offsets_of = functools.partial(ref.offsets_of, device=DEVICE)
+group_ids_of = functools.partial(ref.group_ids_of, device=DEVICE)
 
 
 def ref_grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias, split_sizes: list[int]) -> torch.Tensor:
@@ -103,33 +97,6 @@ def ref_grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias, split_sizes:
     if bias is not None:
         y = y + bias.double()[ids.clamp(min=0)]
     return y * covered
-
-
-def ref_activation(spec: ActivationSpec, pre: torch.Tensor) -> torch.Tensor:
-    """float64 activation written from the definitions (autograd gives its derivative)."""
-    if spec.gated:
-        n = pre.shape[1] // 2
-        j = torch.arange(n, device=pre.device)
-        k = spec.glu_interleave_size
-        gate_idx = j if k is None else (j // k) * (2 * k) + j % k
-        lin_idx = j + n if k is None else gate_idx + k
-        gate, lin = pre[:, gate_idx], pre[:, lin_idx]
-        if spec.kind == "clamped_swiglu":
-            g = gate.clamp(max=spec.limit)
-            return (
-                g
-                * torch.sigmoid(spec.alpha * g)
-                * (lin.clamp(-spec.limit, spec.limit) + spec.glu_linear_offset)
-            )
-        fn = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}[spec.kind]
-        return ref_activation(ActivationSpec(fn), gate) * lin
-    if spec.kind == "relu":
-        return torch.relu(pre)
-    if spec.kind == "gelu":
-        return 0.5 * pre * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (pre + 0.044715 * pre**3)))
-    if spec.kind == "silu":
-        return pre / (1 + torch.exp(-pre))
-    return torch.relu(pre) ** 2  # srelu
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
