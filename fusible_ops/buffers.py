@@ -206,15 +206,13 @@ class GradBufferWrites:
         if span is None:
             return False
         with self._lock:
-            writes = list(self._writes)
-        return any(
-            stamp > since
-            and owner != call_id
-            and device == buffer.device
-            and start < span[1]
-            and span[0] < end
-            for device, start, end, stamp, owner in writes
-        )
+            # newest first; writes are appended in time order, so stop at this call's forward
+            for device, start, end, stamp, owner in reversed(self._writes):
+                if stamp <= since:
+                    return False
+                if owner != call_id and device == buffer.device and start < span[1] and span[0] < end:
+                    return True
+        return False
 
     def record(self, buffer: torch.Tensor, call_id: int) -> None:
         span = _memory_span(_local(buffer))
