@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import reference_ops as ref
 import torch
 
 import fusible_ops as fo
@@ -442,6 +443,12 @@ def test_grad_input_buffer_adopted_as_leaf_grad_accumulates_correctly(mode):
         seq(x, SPLITS, probs, SPLITS).sum().backward()
         one = x.grad.clone()
         x.grad = None
+        # the single-step gradient itself against the plain-PyTorch float64 reference
+        x_ref = ref.leaf(x)
+        ref.expert_block(
+            x_ref, ref.leaf(seq[0].weight), ref.leaf(probs), ref.leaf(seq[2].weight), SPLITS
+        ).sum().backward()
+        torch.testing.assert_close(one.double(), x_ref.grad)
         for step in range(1, 4):
             seq(
                 x, SPLITS, probs, SPLITS, op_kwargs={0: {fo.GRAD_INPUT_BUFFER_KEY: grad_buf}}
