@@ -428,8 +428,8 @@ def test_direct_calls_sharing_a_grad_input_buffer_never_corrupt_gradients():
     for op, x in ((op1, x1), (op2, x2)):
         ref_x = x.detach().double().requires_grad_()
         rows = torch.split(ref_x, SPLITS)
-        ref = torch.cat([r @ w.double().T for r, w in zip(rows, op.weight.detach())])
-        ref.sum().backward()
+        expected = torch.cat([r @ w.double().T for r, w in zip(rows, op.weight.detach())])
+        expected.sum().backward()
         torch.testing.assert_close(x.grad.double(), ref_x.grad)
 
 
