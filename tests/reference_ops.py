@@ -40,9 +40,16 @@ def gate_linear_columns(width: int, interleave: int | None) -> tuple[torch.Tenso
     return cols[is_gate], cols[~is_gate]
 
 
+def clamp_inclusive(x: torch.Tensor, low: float | None, high: float) -> torch.Tensor:
+    """``x`` limited to ``[low, high]``; the gradient passes where ``x`` equals a bound (as ``torch.clamp``'s)."""
+    bound = torch.full_like(x, high)
+    x = torch.where(x > high, bound, x)
+    return x if low is None else torch.where(x < low, torch.full_like(x, low), x)
+
+
 def clamped_swiglu(gate, linear, limit=7.0, alpha=1.702, offset=1.0):
-    g = torch.minimum(gate, torch.full_like(gate, limit))
-    l = torch.maximum(torch.minimum(linear, torch.full_like(linear, limit)), torch.full_like(linear, -limit))
+    g = clamp_inclusive(gate, None, limit)
+    l = clamp_inclusive(linear, -limit, limit)  # noqa: E741
     return g * torch.sigmoid(alpha * g) * (l + offset)
 
 
@@ -63,12 +70,46 @@ def grouped_linear(
 ) -> torch.Tensor:
     """``x`` ``[..., K]``, ``weight`` ``[G, N, K]``: each row times its group's weight (no loop)."""
     sizes = torch.as_tensor(list(split_sizes) if not isinstance(split_sizes, torch.Tensor) else split_sizes)
-    group_of_row = torch.repeat_interleave(torch.arange(weight.shape[0]), sizes.to(torch.int64))
+    device = weight.device
+    group_of_row = torch.repeat_interleave(
+        torch.arange(weight.shape[0], device=device), sizes.to(device, torch.int64)
+    )
     x2d = x.reshape(-1, x.shape[-1])
     y = torch.einsum("rk,rnk->rn", x2d, weight[group_of_row])
     if bias is not None:
         y = y + bias[group_of_row]
     return y.reshape(*x.shape[:-1], weight.shape[1])
+
+
+def grouped_fprop(x, weight, split_sizes, bias=None, *, pad_rows: bool = False) -> torch.Tensor:
+    """float64 ``y`` over the rows the groups own; rows past the last group are left out,
+    or with ``pad_rows`` given as zeros (``y`` then has ``x``'s rows)."""
+    rows = int(sum(split_sizes))
+    y = grouped_linear(
+        x[:rows].double(), weight.double(), None if bias is None else bias.double(), split_sizes
+    )
+    if pad_rows:
+        y = torch.cat([y, y.new_zeros(x.shape[0] - rows, y.shape[1])])
+    return y
+
+
+def grouped_dgrad(grad_out, weight, split_sizes) -> torch.Tensor:
+    """float64 ``dx = grad_out[rows_g] @ weight[g]`` over the owned rows."""
+    return grouped_fprop(grad_out, weight.transpose(1, 2), split_sizes)
+
+
+def grouped_wgrad(grad_out, x, split_sizes) -> torch.Tensor:
+    """float64 ``dw[g] = grad_out[rows_g].T @ x[rows_g]`` (zero for an empty group)."""
+    gid = group_ids_of(split_sizes)
+    onehot = torch.nn.functional.one_hot(gid, len(split_sizes)).double()
+    rows = gid.numel()
+    return torch.einsum("mg,mn,mk->gnk", onehot, grad_out[:rows].double(), x[:rows].double())
+
+
+def grouped_bias_grad(grad_out, split_sizes) -> torch.Tensor:
+    """float64 ``db[g] = sum of grad_out[rows_g]``."""
+    gid = group_ids_of(split_sizes)
+    return torch.nn.functional.one_hot(gid, len(split_sizes)).double().t() @ grad_out[: gid.numel()].double()
 
 
 def leaf(t: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -473,3 +473,13 @@ def test_the_triton_kernels_know_every_activation_of_the_table():
     from fusible_ops.kernels.triton_kernels import _ACT_CODES
 
     assert set(_ACT_CODES) == {k for k, row in ACTIVATIONS.items() if "triton" in row.epilogue_backends}
+
+
+def test_the_cpu_hand_fused_kinds_are_rows_of_the_table():
+    from fusible_ops.kernels.activation import ACTIVATIONS, ActivationSpec
+    from fusible_ops.kernels.torch_cpu import HAND_FUSED_KINDS, TorchCpuBackend
+
+    for kind in HAND_FUSED_KINDS:
+        assert "cpu" in ACTIVATIONS[kind].epilogue_backends
+        assert TorchCpuBackend._is_fast_swiglu(ActivationSpec(kind))
+        assert not TorchCpuBackend._is_fast_swiglu(ActivationSpec(kind, glu_interleave_size=1))

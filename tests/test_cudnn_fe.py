@@ -13,7 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_ops import offsets_of
+from mxfp8_reference import logical_scale_view, mx_scale_shape, mxfp8_dequantize, unpack_scales
+from reference_ops import activation_of, grouped_fprop, offsets_of
 
 from fusible_ops.kernels import cudnn_fe_adapter as adapter
 from fusible_ops.kernels import cudnn_fe_probe as probe_mod
@@ -33,7 +34,7 @@ def _dequant(t: torch.Tensor, sf: torch.Tensor | None) -> torch.Tensor:
     if sf is None:
         return t.float()
     rows, cols = t.shape[-2], t.shape[-1]
-    exps = adapter.unpack_scales(sf.view(torch.uint8), rows, -(-cols // 32))
+    exps = unpack_scales(sf.view(torch.uint8), rows, -(-cols // 32))
     exps = exps if t.dim() == 3 else exps[0]
     return t.float() * torch.exp2(exps.float() - 127).repeat_interleave(32, -1)[..., :cols]
 
@@ -227,30 +228,6 @@ def fake(monkeypatch):
 # ---------------------------------------------------------------- independent references
 
 
-def ref_grouped(x, weight, splits, bias=None):
-    """float64 ``y[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``."""
-    outs = []
-    for g, xs in enumerate(x.double().split(splits)):
-        y = xs @ weight[g].double().t()
-        outs.append(y + bias[g].double() if bias is not None else y)
-    return torch.cat(outs)
-
-
-def ref_act(spec, pre):
-    """float64 activation written from the spec, halves or interleaved blocks."""
-    pre = pre.double()
-    n = pre.shape[1] // 2
-    if spec.glu_interleave_size is None:
-        gate, lin = pre[:, :n], pre[:, n:]
-    else:
-        blocks = pre.view(pre.shape[0], -1, 2, spec.glu_interleave_size)
-        gate, lin = blocks[:, :, 0].reshape(-1, n), blocks[:, :, 1].reshape(-1, n)
-    if spec.kind == "swiglu":
-        return gate * torch.sigmoid(gate) * lin
-    g = gate.clamp(max=spec.limit)
-    return g * torch.sigmoid(spec.alpha * g) * (lin.clamp(-spec.limit, spec.limit) + spec.glu_linear_offset)
-
-
 SPLITS = [[3, 0, 300, 1], [256, 0, 512], [0, 0], [5]]
 
 
@@ -359,13 +336,13 @@ def test_bias_layout_and_expert_pointers():
 
 
 def test_scale_shapes():
-    assert adapter.mx_scale_shape(300, 200, groups=2) == (32, 4, 3, 4, 2, 2)
+    assert mx_scale_shape(300, 200, groups=2) == (32, 4, 3, 4, 2, 2)
     assert adapter.mx_packed_shape(300, 200, groups=2) == (2, 3, 2, 32, 4, 4)
     exps = torch.randint(0, 255, (2, 300, 7), dtype=torch.uint8)
     packed = adapter.pack_scales(exps)
     assert packed.shape == (2, 3, 2, 32, 4, 4) and packed.is_contiguous()
     assert packed.numel() == 512 * 3 * 2 * 2
-    assert adapter.logical_scale_view(packed).shape == adapter.mx_scale_shape(300, 200, groups=2)
+    assert logical_scale_view(packed).shape == mx_scale_shape(300, 200, groups=2)
 
 
 def test_pack_scales_position_and_round_trip():
@@ -375,8 +352,8 @@ def test_pack_scales_position_and_round_trip():
     packed = adapter.pack_scales(exps)
     assert packed[0, 0, 1, 5, 1, 1] == 9 and packed[0, 1, 0, 1, 0, 0] == 7
     assert (packed == 9).sum() == 1 and (packed == 7).sum() == 1
-    assert torch.equal(adapter.unpack_scales(packed, 130, 6), exps)
-    assert adapter.logical_scale_view(packed)[5, 1, 0, 1, 1, 0] == 9
+    assert torch.equal(unpack_scales(packed, 130, 6), exps)
+    assert logical_scale_view(packed)[5, 1, 0, 1, 1, 0] == 9
 
 
 def test_mxfp8_quantize_error_and_zero_blocks():
@@ -385,7 +362,7 @@ def test_mxfp8_quantize_error_and_zero_blocks():
     x[1, 32:64] = 0
     q, exps = adapter.mxfp8_quantize(x)
     assert q.dtype == torch.float8_e4m3fn and exps.shape == (4, 3) and exps.dtype == torch.uint8
-    back = adapter.mxfp8_dequantize(q, exps)
+    back = mxfp8_dequantize(q, exps)
     assert torch.all(back[1, 32:64] == 0)
     blocks_amax = x.abs().view(4, 3, 32).amax(-1, keepdim=True)
     err = ((back - x).abs().view(4, 3, 32) / blocks_amax.clamp_min(1e-30)).amax()
@@ -409,7 +386,7 @@ def test_blackwell_fprop_dgrad_wgrad(fake, splits, with_bias):
     bias = torch.randn(g, n) if with_bias else None
     off = offsets_of(splits)
     y = backend.fprop(x, w, splits, off, bias=bias)
-    torch.testing.assert_close(y.double(), ref_grouped(x, w, splits, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y.double(), grouped_fprop(x, w, splits, bias), rtol=1e-5, atol=1e-4)
     gy = torch.randn(m, n)
     dx = backend.dgrad(gy, w, None, off)  # device offsets only
     ref_dx = torch.cat([gs.double() @ w[i].double() for i, gs in enumerate(gy.split(splits))])
@@ -429,7 +406,7 @@ def test_blackwell_fprop_writes_caller_buffer_in_place_when_aligned(fake):
     buf = torch.full((768, n), float("nan"))
     y = CudnnFrontendBackend().fprop(x, w, splits, offsets_of(splits), out=buf)
     assert y.data_ptr() == buf.data_ptr() and module.calls[0][1]["d_tensor"] is buf
-    torch.testing.assert_close(buf.double(), ref_grouped(x, w, splits), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(buf.double(), grouped_fprop(x, w, splits), rtol=1e-5, atol=1e-4)
 
 
 def test_blackwell_fprop_copies_once_into_buffer_when_padding_needed(fake):
@@ -441,7 +418,7 @@ def test_blackwell_fprop_copies_once_into_buffer_when_padding_needed(fake):
     y = backend.fprop(x, w, splits, offsets_of(splits), out=buf)
     assert y.data_ptr() == buf.data_ptr() and module.calls[0][1]["d_tensor"] is not buf
     assert module.calls[0][1]["d_tensor"].shape == (768, n)
-    torch.testing.assert_close(buf.double(), ref_grouped(x, w, splits), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(buf.double(), grouped_fprop(x, w, splits), rtol=1e-5, atol=1e-4)
     notes = backend.plan_notes(torch.device("cpu"), splits, with_output_buffer=True)
     assert any("one gather copy" in s for s in notes)
     assert backend.plan_notes(torch.device("cpu"), [256, 512], with_output_buffer=True) == []
@@ -468,10 +445,10 @@ def test_blackwell_fused_glu_forward_and_backward(fake, spec, splits):
     assert backend.fused_activation_reason(spec, x.device) is None
 
     pre, act = backend.fc1_fprop_act(x, w1, b1, splits, off, spec, probs)
-    ref_pre = ref_grouped(x, w1, splits, b1)
+    ref_pre = grouped_fprop(x, w1, splits, b1)
     torch.testing.assert_close(pre.double(), ref_pre, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(
-        act.double(), ref_act(spec, ref_pre) * probs.double()[:, None], rtol=1e-5, atol=1e-4
+        act.double(), activation_of(spec, ref_pre) * probs.double()[:, None], rtol=1e-5, atol=1e-4
     )
     assert module.calls[0][0] == "glu"
 
@@ -479,7 +456,7 @@ def test_blackwell_fused_glu_forward_and_backward(fake, spec, splits):
     pre64 = ref_pre.clone().requires_grad_(True)
     probs64 = probs.double().requires_grad_(True)
     gy = torch.randn(m, hidden)
-    y = ref_grouped(ref_act(spec, pre64) * probs64[:, None], w2, splits)
+    y = grouped_fprop(activation_of(spec, pre64) * probs64[:, None], w2, splits)
     y.backward(gy.double())
     grad_pre, grad_probs, act2 = backend.fc2_dgrad_act(gy, w2, pre, splits, off, spec, probs)
     torch.testing.assert_close(grad_pre.double(), pre64.grad, rtol=1e-4, atol=1e-4)
@@ -496,7 +473,7 @@ def test_blackwell_unsupported_activation_runs_composed(fake):
     x, w = torch.randn(5, 8), torch.randn(2, 128, 8)
     pre, _ = backend.fc1_fprop_act(x, w, None, splits, offsets_of(splits), spec, None)
     assert [c[0] for c in module.calls] == ["gemm"]  # plain GEMM, activation in torch
-    torch.testing.assert_close(pre.double(), ref_grouped(x, w, splits), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(pre.double(), grouped_fprop(x, w, splits), rtol=1e-5, atol=1e-4)
 
 
 def test_blackwell_bf16_glu(fake):
@@ -505,9 +482,9 @@ def test_blackwell_bf16_glu(fake):
     spec = ActivationSpec("swiglu")
     pre, act = CudnnFrontendBackend().fc1_fprop_act(x, w1, None, splits, offsets_of(splits), spec, None)
     assert pre.dtype == act.dtype == torch.bfloat16
-    ref_pre = ref_grouped(x, w1, splits)
+    ref_pre = grouped_fprop(x, w1, splits)
     torch.testing.assert_close(pre.double(), ref_pre, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(act.double(), ref_act(spec, ref_pre), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(act.double(), activation_of(spec, ref_pre), rtol=3e-2, atol=3e-2)
 
 
 def test_blackwell_mxfp8_recipe(fake):
@@ -522,7 +499,7 @@ def test_blackwell_mxfp8_recipe(fake):
     assert call["sfa_tensor"].dtype == torch.float8_e8m0fnu
     assert call["sfa_tensor"].shape == adapter.mx_packed_shape(768, k)
     assert call["sfb_tensor"].shape == adapter.mx_packed_shape(n, k, groups=3)
-    ref = ref_grouped(x, w, splits)
+    ref = grouped_fprop(x, w, splits)
     assert ((y.double() - ref).norm() / ref.norm()) < 0.08  # MXFP8 operands: ~2^-4 per element
     pre, _ = backend.fc1_fprop_act(x, torch.cat([w, w], 1), None, splits, offsets_of(splits), SPECS[0], None)
     assert module.calls[-1][0] == "glu" and module.calls[-1][1]["sf_vec_size"] == 32
@@ -551,7 +528,7 @@ def test_hopper_binds_caller_buffer_as_graph_output(fake, monkeypatch):
     y = backend.fprop(x, w, splits, offsets_of(splits), bias=bias, out=buf)
     assert y.data_ptr() == buf.data_ptr() and log[0][100].data_ptr() == buf.data_ptr()
     assert log[0][3].view(-1).tolist() == [0, 3, 3, 8]
-    torch.testing.assert_close(y.double(), ref_grouped(x, w, splits, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y.double(), grouped_fprop(x, w, splits, bias), rtol=1e-5, atol=1e-4)
     gy = torch.randn(8, n)
     dx = backend.dgrad(gy, w, splits, offsets_of(splits))
     ref_dx = torch.cat([gs.double() @ w[i].double() for i, gs in enumerate(gy.split(splits))])
@@ -656,7 +633,7 @@ def test_bad_inputs_refused_by_the_shared_checks_before_any_wrapper_call(fake):
         backend.dgrad(out, w, [4, 5], off)
     with pytest.raises(TypeError, match=r"cudnn\.wgrad: grad_out dtype"):
         backend.wgrad(out.double(), x, splits, off)
-    with pytest.raises(ValueError, match=r"cudnn\.fc1_fprop_act: scales must be \[8\]"):
+    with pytest.raises(ValueError, match=r"cudnn\.fc1_fprop_act: scales has 3 values.*\(8\)"):
         backend.fc1_fprop_act(x, w, None, splits, off, ActivationSpec("swiglu"), torch.ones(3))
     with pytest.raises(ValueError, match=r"cudnn\.fc2_dgrad_act: pre must be \[8, N_pre\]"):
         backend.fc2_dgrad_act(x, torch.randn(2, 32, 32), out[:4], splits, off, ActivationSpec("swiglu"), None)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
+import reference_ops as ref
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,37 +13,12 @@ import fusible_ops as fo
 # ---------------------------------------------------------------- independent reference
 
 
-def _gate_linear(h: torch.Tensor, interleave: int | None):
-    n = h.shape[-1] // 2
-    if interleave is None:
-        return h[:, :n], h[:, n:]
-    cols = torch.arange(h.shape[-1])
-    is_gate = (cols // interleave) % 2 == 0
-    return h[:, is_gate], h[:, ~is_gate]
-
-
-def _act(kind: str, h: torch.Tensor, interleave: int | None = None) -> torch.Tensor:
-    if kind == "srelu":
-        return torch.where(h > 0, h * h, torch.zeros_like(h))
-    gate, lin = _gate_linear(h, interleave)
-    if kind == "swiglu":
-        return gate / (1 + torch.exp(-gate)) * lin
-    if kind == "geglu":
-        inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
-        return 0.5 * gate * (1 + torch.tanh(inner)) * lin
-    if kind == "clamped_swiglu":
-        g = torch.minimum(gate, torch.tensor(7.0, dtype=gate.dtype))
-        l = torch.clamp(lin, -7.0, 7.0)
-        return g * torch.sigmoid(1.702 * g) * (l + 1.0)
-    raise AssertionError(kind)
-
-
 def reference(x, split_sizes, probs, w1, b1, w2, b2, kind, *, scale_after=False, interleave=None):
     outs, start = [], 0
     for e, n in enumerate(split_sizes):
         rows = slice(start, start + n)
         h = x[rows] @ w1[e].T + (b1[e] if b1 is not None else 0)
-        a = _act(kind, h, interleave)
+        a = ref.activation(kind, h, interleave)
         if not scale_after:
             a = a * probs[rows, None]
         y = a @ w2[e].T + (b2[e] if b2 is not None else 0)

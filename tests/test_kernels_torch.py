@@ -8,13 +8,18 @@ swapped gate/linear half or a wrong derivative all show up as O(1) errors.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference_ops import group_ids_of, offsets_of
+from reference_ops import (
+    activation_of,
+    grouped_bias_grad,
+    grouped_dgrad,
+    grouped_fprop,
+    grouped_wgrad,
+    offsets_of,
+)
 
 from fusible_ops.kernels.activation import ActivationSpec
 from fusible_ops.kernels.cpu_buffer_pool import CpuBufferPool
@@ -74,33 +79,6 @@ def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 # ---------------------------------------------------------------- reference math (float64)
 
 
-def ref_fprop(x, weight, split_sizes, bias=None):
-    gid = group_ids_of(split_sizes)
-    rows = gid.numel()
-    y = torch.einsum("mk,mnk->mn", x[:rows].double(), weight.double()[gid])
-    if bias is not None:
-        y = y + bias.double()[gid]
-    return y
-
-
-def ref_dgrad(grad_out, weight, split_sizes):
-    gid = group_ids_of(split_sizes)
-    return torch.einsum("mn,mnk->mk", grad_out[: gid.numel()].double(), weight.double()[gid])
-
-
-def ref_wgrad(grad_out, x, split_sizes):
-    gid = group_ids_of(split_sizes)
-    onehot = torch.nn.functional.one_hot(gid, len(split_sizes)).double()
-    rows = gid.numel()
-    return torch.einsum("mg,mn,mk->gnk", onehot, grad_out[:rows].double(), x[:rows].double())
-
-
-def ref_bias_grad(grad_out, split_sizes):
-    gid = group_ids_of(split_sizes)
-    onehot = torch.nn.functional.one_hot(gid, len(split_sizes)).double()
-    return onehot.t() @ grad_out[: gid.numel()].double()
-
-
 ACTIVATIONS = [
     ActivationSpec("swiglu"),
     ActivationSpec("swiglu", glu_interleave_size=1),
@@ -132,19 +110,22 @@ def test_fprop_dgrad_wgrad_bias_grad(backend_name, dtype, split_name, with_bias)
     for sizes in (split_sizes, None):  # host splits, and offsets only
         y = backend.fprop(x, weight, sizes, offsets, bias=bias)
         assert y.dtype == dtype
-        assert_close(y, ref_fprop(x, weight, split_sizes, bias), dtype, "fprop")
+        assert_close(y, grouped_fprop(x, weight, split_sizes, bias), dtype, "fprop")
         assert_close(
             backend.dgrad(grad_out, weight, sizes, offsets),
-            ref_dgrad(grad_out, weight, split_sizes),
+            grouped_dgrad(grad_out, weight, split_sizes),
             dtype,
             "dgrad",
         )
         assert_close(
-            backend.wgrad(grad_out, x, sizes, offsets), ref_wgrad(grad_out, x, split_sizes), dtype, "wgrad"
+            backend.wgrad(grad_out, x, sizes, offsets),
+            grouped_wgrad(grad_out, x, split_sizes),
+            dtype,
+            "wgrad",
         )
         db = backend.bias_grad(grad_out, sizes, offsets, groups)
         assert db.dtype == dtype
-        assert_close(db, ref_bias_grad(grad_out, split_sizes), dtype, "bias_grad")
+        assert_close(db, grouped_bias_grad(grad_out, split_sizes), dtype, "bias_grad")
 
 
 @pytest.mark.parametrize("backend_name", list(BACKENDS))
@@ -159,16 +140,19 @@ def test_non_contiguous_operands(backend_name, dtype):
     offsets = offsets_of(split_sizes)
     assert not x.is_contiguous() and not weight.is_contiguous() and not grad_out.is_contiguous()
     assert_close(
-        backend.fprop(x, weight, split_sizes, offsets), ref_fprop(x, weight, split_sizes), dtype, "fprop"
+        backend.fprop(x, weight, split_sizes, offsets), grouped_fprop(x, weight, split_sizes), dtype, "fprop"
     )
     assert_close(
         backend.dgrad(grad_out, weight, split_sizes, offsets),
-        ref_dgrad(grad_out, weight, split_sizes),
+        grouped_dgrad(grad_out, weight, split_sizes),
         dtype,
         "dgrad",
     )
     assert_close(
-        backend.wgrad(grad_out, x, split_sizes, offsets), ref_wgrad(grad_out, x, split_sizes), dtype, "wgrad"
+        backend.wgrad(grad_out, x, split_sizes, offsets),
+        grouped_wgrad(grad_out, x, split_sizes),
+        dtype,
+        "wgrad",
     )
 
 
@@ -190,20 +174,20 @@ def test_out_is_written_in_place_and_tail_rows_untouched(backend_name, known_spl
     out = buf[: covered + extra]
     y = backend.fprop(x, weight, sizes, offsets, out=out)
     assert y.data_ptr() == buf.data_ptr()
-    assert_close(buf[:covered], ref_fprop(x, weight, split_sizes), dtype, "fprop into out")
+    assert_close(buf[:covered], grouped_fprop(x, weight, split_sizes), dtype, "fprop into out")
     assert (buf[covered:] == sentinel).all(), "fprop wrote rows past the last group"
 
     grad_out = randn(covered + extra, n_out, dtype=dtype)
     dbuf = torch.full((covered + extra + 4, k_in), sentinel)
     dx = backend.dgrad(grad_out, weight, sizes, offsets, out=dbuf[: covered + extra])
     assert dx.data_ptr() == dbuf.data_ptr()
-    assert_close(dbuf[:covered], ref_dgrad(grad_out, weight, split_sizes), dtype, "dgrad into out")
+    assert_close(dbuf[:covered], grouped_dgrad(grad_out, weight, split_sizes), dtype, "dgrad into out")
     assert (dbuf[covered:] == sentinel).all(), "dgrad wrote rows past the last group"
 
     wbuf = torch.full((3, n_out, k_in), sentinel)
     dw = backend.wgrad(grad_out, x, sizes, offsets, out=wbuf)
     assert dw.data_ptr() == wbuf.data_ptr()
-    assert_close(wbuf, ref_wgrad(grad_out, x, split_sizes), dtype, "wgrad into out (empty group zeroed)")
+    assert_close(wbuf, grouped_wgrad(grad_out, x, split_sizes), dtype, "wgrad into out (empty group zeroed)")
 
 
 @pytest.mark.parametrize("backend_name", list(BACKENDS))
@@ -270,54 +254,26 @@ def test_grouped_mm_on_cuda_matches_reference_without_host_sync():
     assert y.data_ptr() == out.data_ptr()
     cpu = torch.device("cpu")
     assert_close(
-        y.to(cpu), ref_fprop(x.cpu(), weight.cpu(), split_sizes, bias.cpu()), torch.bfloat16, "fprop"
+        y.to(cpu), grouped_fprop(x.cpu(), weight.cpu(), split_sizes, bias.cpu()), torch.bfloat16, "fprop"
     )
-    assert_close(dx.to(cpu), ref_dgrad(grad_out.cpu(), weight.cpu(), split_sizes), torch.bfloat16, "dgrad")
-    assert_close(dw.to(cpu), ref_wgrad(grad_out.cpu(), x.cpu(), split_sizes), torch.bfloat16, "wgrad")
-    assert_close(db.to(cpu), ref_bias_grad(grad_out.cpu(), split_sizes), torch.bfloat16, "bias_grad")
+    assert_close(
+        dx.to(cpu), grouped_dgrad(grad_out.cpu(), weight.cpu(), split_sizes), torch.bfloat16, "dgrad"
+    )
+    assert_close(dw.to(cpu), grouped_wgrad(grad_out.cpu(), x.cpu(), split_sizes), torch.bfloat16, "wgrad")
+    assert_close(db.to(cpu), grouped_bias_grad(grad_out.cpu(), split_sizes), torch.bfloat16, "bias_grad")
 
 
 # ---------------------------------------------------------------- fused activation entry points
 
 
-def _gelu_tanh(v):
-    return 0.5 * v * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
-
-
-def ref_activation(spec: ActivationSpec, pre: torch.Tensor) -> torch.Tensor:
-    if not spec.gated:
-        return {
-            "relu": lambda v: torch.where(v > 0, v, 0.0),
-            "gelu": _gelu_tanh,
-            "silu": lambda v: v / (1.0 + torch.exp(-v)),
-            "srelu": lambda v: torch.where(v > 0, v * v, 0.0),
-        }[spec.kind](pre)
-    n = pre.shape[-1] // 2
-    if spec.glu_interleave_size is None:
-        gate, lin = pre[:, :n], pre[:, n:]
-    else:
-        k = spec.glu_interleave_size
-        idx = torch.arange(2 * n).reshape(-1, 2, k)
-        gate, lin = pre[:, idx[:, 0, :].reshape(-1)], pre[:, idx[:, 1, :].reshape(-1)]
-    if spec.kind == "swiglu":
-        return gate / (1.0 + torch.exp(-gate)) * lin
-    if spec.kind == "geglu":
-        return _gelu_tanh(gate) * lin
-    if spec.kind == "reglu":
-        return torch.where(gate > 0, gate, 0.0) * lin
-    g = torch.minimum(gate, torch.tensor(spec.limit, dtype=gate.dtype))
-    lin = torch.clamp(lin, -spec.limit, spec.limit)
-    return g / (1.0 + torch.exp(-spec.alpha * g)) * (lin + spec.glu_linear_offset)
-
-
 def ref_mlp_pieces(x, w1, b1, w2, split_sizes, spec, scales, grad_y):
     """Reference (pre, act, grad_pre, grad_scales) in float64 with autograd for the activation."""
-    pre = ref_fprop(x, w1, split_sizes, b1).requires_grad_(True)
+    pre = grouped_fprop(x, w1, split_sizes, b1).requires_grad_(True)
     s = None if scales is None else scales.detach().double().clone().requires_grad_(True)
-    act = ref_activation(spec, pre)
+    act = activation_of(spec, pre)
     if s is not None:
         act = act * s[: pre.shape[0], None]
-    grad_act = ref_dgrad(grad_y, w2, split_sizes)
+    grad_act = grouped_dgrad(grad_y, w2, split_sizes)
     act.backward(grad_act)
     grad_scales = None if s is None else s.grad
     return pre.detach(), act.detach(), pre.grad, grad_scales
@@ -370,10 +326,10 @@ def _check_fused_entry_points(backend, dtype, spec, split_sizes, scaled, with_bi
 def _pieces_from_pre(pre, w2, split_sizes, spec, scales, grad_y):
     pre64 = pre.detach().double().clone().requires_grad_(True)
     s = None if scales is None else scales.detach().double().clone().requires_grad_(True)
-    act = ref_activation(spec, pre64)
+    act = activation_of(spec, pre64)
     if s is not None:
         act = act * s[:, None]
-    act.backward(ref_dgrad(grad_y, w2, split_sizes))
+    act.backward(grouped_dgrad(grad_y, w2, split_sizes))
     return None, act.detach(), pre64.grad, None if s is None else s.grad
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
+import reference_ops as ref
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,18 +28,6 @@ def _ref_route(logits_row: torch.Tensor, top_k: int, score: str, renormalize: bo
     return chosen, weights
 
 
-def _ref_act(h: torch.Tensor, activation: str) -> torch.Tensor:
-    n = h.shape[-1] // 2
-    if activation == "swiglu":
-        return h[:n] * torch.sigmoid(h[:n]) * h[n:]
-    if activation == "geglu":
-        g = h[:n]
-        return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * h[n:]
-    if activation == "srelu":
-        return torch.clamp(h, min=0) ** 2
-    raise AssertionError(activation)
-
-
 def _ref_moe(x, router_w, w1, b1, w2, b2, top_k, score, renormalize, activation):
     """y[t] = sum over chosen e of (p_e * act(W1_e x + b1_e)) W2_e^T + b2_e, one token at a time."""
     outs = []
@@ -49,7 +36,7 @@ def _ref_moe(x, router_w, w1, b1, w2, b2, top_k, score, renormalize, activation)
         y = torch.zeros(w2.shape[1], dtype=x.dtype)
         for e, p in zip(chosen, weights):
             h = w1[e] @ x[t] + (b1[e] if b1 is not None else 0)
-            y = y + w2[e] @ (p * _ref_act(h, activation)) + (b2[e] if b2 is not None else 0)
+            y = y + w2[e] @ (p * ref.activation(activation, h)) + (b2[e] if b2 is not None else 0)
         outs.append(y)
     return torch.stack(outs) if outs else x.new_zeros(0, w2.shape[1])
 

@@ -22,14 +22,8 @@ def check_activation_input(op_name: str, spec: ActivationSpec, meta: TensorMeta)
         raise ValueError(f"{op_name}: input must have at least 1 dim")
     if not spec.gated:
         return meta
-    width = meta.shape[-1]
-    block = 2 * (spec.glu_interleave_size or 1)
-    if width % block:
-        what = "even" if block == 2 else f"a multiple of {block} (2 x glu_interleave_size)"
-        raise ValueError(
-            f"{op_name}: the last dim ({width}) must be {what} to split into gate and linear parts"
-        )
-    return TensorMeta((*meta.shape[:-1], width // 2), meta.dtype, meta.device)
+    spec.check_width(op_name, meta.shape[-1])
+    return TensorMeta((*meta.shape[:-1], spec.output_features(meta.shape[-1])), meta.dtype, meta.device)
 
 
 class Activation(BasicOperation):

@@ -6,7 +6,7 @@ import torch
 
 from ..kernels.activation import row_dot
 from ..op import BasicOperation, OpBackward, OperationContext
-from .scaled_activations import check_row_scales
+from .scaled_activations import check_op_row_scales
 
 
 class ConstantScale(BasicOperation):
@@ -36,7 +36,7 @@ class Scale(BasicOperation):
     num_extra_inputs = 1
 
     def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
-        check_row_scales(self.op_name(), extra_inputs[0], input_meta)
+        check_op_row_scales(self.op_name(), extra_inputs[0], input_meta)
         return input_meta
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

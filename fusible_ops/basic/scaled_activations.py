@@ -12,24 +12,14 @@ import math
 import torch
 
 from ..kernels.activation import ActivationSpec, scaled_activation_backward, scaled_activation_forward
+from ..kernels.grouped_checks import check_row_scales
 from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
 from .activations import check_activation_input
 
 
-def check_row_scales(op_name: str, scales: object, meta: TensorMeta) -> None:
-    """``scales`` must be a floating tensor with one value per token row, on the input's device."""
-    rows = math.prod(meta.shape[:-1])
-    if not isinstance(scales, torch.Tensor):
-        raise ValueError(f"{op_name}: scales must be a torch.Tensor, got {type(scales).__name__}")
-    if not scales.dtype.is_floating_point:
-        raise ValueError(f"{op_name}: scales must be floating point, got {scales.dtype}")
-    if scales.numel() != rows:
-        raise ValueError(
-            f"{op_name}: scales has {scales.numel()} values (shape {list(scales.shape)}); "
-            f"expected one per token row ({rows})"
-        )
-    if scales.device != meta.device:
-        raise ValueError(f"{op_name}: scales are on {scales.device} but the input is on {meta.device}")
+def check_op_row_scales(op_name: str, scales: object, meta: TensorMeta) -> None:
+    """``scales`` must hold one floating value per token row of ``meta``, on its device."""
+    check_row_scales(op_name, scales, math.prod(meta.shape[:-1]), meta.device)
 
 
 class ScaledActivation(BasicOperation):
@@ -53,7 +43,7 @@ class ScaledActivation(BasicOperation):
 
     def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
         out = check_activation_input(self.op_name(), self.spec, input_meta)
-        check_row_scales(self.op_name(), extra_inputs[0], input_meta)
+        check_op_row_scales(self.op_name(), extra_inputs[0], input_meta)
         return out
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

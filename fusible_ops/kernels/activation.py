@@ -90,6 +90,18 @@ class ActivationSpec:
     def output_features(self, in_features: int) -> int:
         return in_features // 2 if self.gated else in_features
 
+    def check_width(self, where: str, width: int) -> None:
+        """A gated kind needs whole gate/linear blocks in the last dim; raises ``ValueError``."""
+        if not self.gated:
+            return
+        block = 2 * (self.glu_interleave_size or 1)
+        if width % block:
+            what = "even" if block == 2 else f"a multiple of {block} (2 x glu_interleave_size)"
+            raise ValueError(
+                f"{where}: {self.kind} needs the last dim ({width}) to be {what} "
+                "to split into gate and linear parts"
+            )
+
 
 # ---------------------------------------------------------------- gate/linear split
 

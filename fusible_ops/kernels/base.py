@@ -46,11 +46,10 @@ from .activation import (
     scaled_activation_forward,
 )
 from .grouped_checks import (
-    check_activation_width,
     check_fc2_dgrad_act,
     check_gemm,
     check_operands,
-    check_scales,
+    check_row_scales,
     host_split_sizes,
 )
 
@@ -187,8 +186,8 @@ class GroupedGemmBackend:
         """
         where = f"{self.name}.fc1_fprop_act"
         _, n_pre, k_in = check_gemm(where, "fprop", x, weight, split_sizes, offsets, None, bias=bias)
-        check_activation_width(where, activation, n_pre)
-        scales = check_scales(where, scales, x)
+        activation.check_width(where, n_pre)
+        scales = None if scales is None else check_row_scales(where, scales, x.shape[0], x.device)
         sizes = self._ready(where, x, k_in, n_pre, split_sizes, offsets)
         run = self._fc1_fprop_act if self._fuses(activation, x) else self._composed_fc1_fprop_act
         return run(x, weight, bias, sizes, offsets, activation, scales)
@@ -212,7 +211,9 @@ class GroupedGemmBackend:
         """
         where = f"{self.name}.fc2_dgrad_act"
         _, h_out, n_act = check_fc2_dgrad_act(where, grad_y, weight, pre, split_sizes, offsets, activation)
-        flat_scales = check_scales(where, scales, grad_y)
+        flat_scales = (
+            None if scales is None else check_row_scales(where, scales, grad_y.shape[0], grad_y.device)
+        )
         sizes = self._ready(where, grad_y, n_act, h_out, split_sizes, offsets)
         run = self._fc2_dgrad_act if self._fuses(activation, grad_y) else self._composed_fc2_dgrad_act
         grad_pre, grad_scales, act = run(grad_y, weight, pre, sizes, offsets, activation, flat_scales)

@@ -203,12 +203,6 @@ def expert_pointers(weight: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- MXFP8
 
 
-def mx_scale_shape(rows: int, cols: int, groups: int = 1, sf_vec_size: int = MX_BLOCK) -> tuple[int, ...]:
-    """The frontend's logical 6-D scale-factor shape for a ``[groups, rows, cols]`` operand."""
-    rest_k = _ceil_div(_ceil_div(cols, sf_vec_size), SF_TILE_COLS)
-    return (32, 4, _ceil_div(rows, SF_TILE_ROWS), 4, rest_k, groups)
-
-
 def mx_packed_shape(rows: int, cols: int, groups: int = 1, sf_vec_size: int = MX_BLOCK) -> tuple[int, ...]:
     """Physical (contiguous) packed scale-buffer shape, ``512 * tiles`` bytes per group."""
     rest_k = _ceil_div(_ceil_div(cols, sf_vec_size), SF_TILE_COLS)
@@ -228,21 +222,6 @@ def pack_scales(scales: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 1, 4, 3, 2, 5).contiguous()
 
 
-def unpack_scales(packed: torch.Tensor, rows: int, cols_sf: int) -> torch.Tensor:
-    """Inverse of :func:`pack_scales`: ``[G, rows, cols_sf]``."""
-    groups, rest_m, rest_k = packed.shape[:3]
-    tiles = packed.reshape(groups, rest_m, rest_k, 32, 4, 4).permute(0, 1, 4, 3, 2, 5)
-    full = tiles.reshape(groups, rest_m * SF_TILE_ROWS, rest_k * SF_TILE_COLS)
-    return full[:, :rows, :cols_sf]
-
-
-def logical_scale_view(packed: torch.Tensor) -> torch.Tensor:
-    """The documented logical ``(32, 4, rest_m, 4, rest_k, G)`` strided view of a packed buffer."""
-    return packed.reshape(packed.shape[0], packed.shape[1], packed.shape[2], 32, 4, 4).permute(
-        3, 4, 1, 5, 2, 0
-    )
-
-
 def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantise ``x`` ``[..., cols]`` along the last dim (32 values per E8M0 scale).
 
@@ -260,13 +239,6 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = (blocks / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
     q = q.view(*x.shape[:-1], nblocks * MX_BLOCK)[..., :cols].to(torch.float8_e4m3fn)
     return q, (shared + 127).to(torch.uint8)
-
-
-def mxfp8_dequantize(q: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
-    """float32 values of an :func:`mxfp8_quantize` result."""
-    scale = torch.exp2(exponents.float() - 127.0)
-    scale = scale.repeat_interleave(MX_BLOCK, dim=-1)[..., : q.shape[-1]]
-    return q.float() * scale
 
 
 def as_e8m0(exponents: torch.Tensor) -> torch.Tensor:

@@ -146,17 +146,6 @@ def check_gemm(
     return dims
 
 
-def check_activation_width(where: str, activation: ActivationSpec, n_pre: int) -> None:
-    """A gated activation needs whole gate/linear blocks in the pre-activation width."""
-    if not activation.gated:
-        return
-    block = 2 * (activation.glu_interleave_size or 1)
-    if n_pre % block:
-        raise ValueError(
-            f"{where}: {activation.kind} needs the pre-activation width ({n_pre}) to be a multiple of {block}"
-        )
-
-
 def check_fc2_dgrad_act(
     where: str,
     grad_y: torch.Tensor,
@@ -175,7 +164,7 @@ def check_fc2_dgrad_act(
         raise TypeError(f"{where}: pre dtype {pre.dtype} != grad_y dtype {grad_y.dtype}")
     if pre.device != grad_y.device:
         raise ValueError(f"{where}: pre is on {pre.device} but grad_y is on {grad_y.device}")
-    check_activation_width(where, activation, pre.shape[1])
+    activation.check_width(where, pre.shape[1])
     if activation.output_features(pre.shape[1]) != n_act:
         raise ValueError(
             f"{where}: {activation.kind} of pre with {pre.shape[1]} features gives "
@@ -184,15 +173,21 @@ def check_fc2_dgrad_act(
     return dims
 
 
-def check_scales(where: str, scales: torch.Tensor | None, rows_like: torch.Tensor) -> torch.Tensor | None:
-    """Per-row ``scales`` ``[M]`` or ``[M, 1]``, floating, on the rows' device; returned as ``[M]``."""
-    if scales is None:
-        return None
-    rows = rows_like.shape[0]
-    if tuple(scales.shape) not in ((rows,), (rows, 1)):
-        raise ValueError(f"{where}: scales must be [{rows}] (one per row), got {tuple(scales.shape)}")
-    if not scales.is_floating_point():
-        raise TypeError(f"{where}: scales must be floating point, got {scales.dtype}")
-    if scales.device != rows_like.device:
-        raise ValueError(f"{where}: scales are on {scales.device} but the input is on {rows_like.device}")
-    return scales if scales.dim() == 1 else scales.reshape(rows)
+def check_row_scales(where: str, scales: object, rows: int, device: torch.device) -> torch.Tensor:
+    """One floating value per token row, on ``device``; returned flattened to ``[rows]``.
+
+    The one check of per-row scales: the scaled ops and ``Scale`` (any shape with ``rows``
+    values) and the backends' ``fc1_fprop_act``/``fc2_dgrad_act`` (``[M]`` or ``[M, 1]``).
+    """
+    if not isinstance(scales, torch.Tensor):
+        raise ValueError(f"{where}: scales must be a torch.Tensor, got {type(scales).__name__}")
+    if not scales.dtype.is_floating_point:
+        raise ValueError(f"{where}: scales must be floating point, got {scales.dtype}")
+    if scales.numel() != rows:
+        raise ValueError(
+            f"{where}: scales has {scales.numel()} values (shape {list(scales.shape)}); "
+            f"expected one per token row ({rows})"
+        )
+    if scales.device != device:
+        raise ValueError(f"{where}: scales are on {scales.device} but the input is on {device}")
+    return scales.reshape(rows)

@@ -29,6 +29,10 @@ from .activation import ActivationSpec, activation_backward, activation_forward
 from .cpu_buffer_pool import CpuBufferPool
 from .torch_loop import TorchLoopBackend, _row_ranges
 
+#: activation kinds (rows of ``activation.ACTIVATIONS``) with a hand-fused pass below;
+#: the others run the reference math of :mod:`.activation` per row block
+HAND_FUSED_KINDS = ("swiglu",)
+
 _GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -373,4 +377,4 @@ class TorchCpuBackend(TorchLoopBackend):
 
     @staticmethod
     def _is_fast_swiglu(activation: ActivationSpec) -> bool:
-        return activation.kind == "swiglu" and activation.glu_interleave_size is None
+        return activation.kind in HAND_FUSED_KINDS and activation.glu_interleave_size is None
