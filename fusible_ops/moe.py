@@ -105,6 +105,7 @@ def permute(
     probs: torch.Tensor | None = None,
     *,
     expert_order: torch.Tensor | None = None,
+    dropped: torch.Tensor | None = None,
 ) -> Permutation:
     """Gather ``tokens`` ``[T, H]`` into one row per (token, chosen expert), sorted by expert.
 
@@ -112,6 +113,13 @@ def permute(
     their weights. Rows of one expert keep token order. ``expert_order`` (an integer
     permutation of ``range(num_experts)``; anything else is refused) sets the order of
     the expert groups; by default 0..E-1.
+
+    Dropped rows: an id ``>= num_experts`` (the sentinel some expert-parallel codes use)
+    and the ``True`` entries of ``dropped`` (``[T, k]`` bool, e.g. over an expert's
+    capacity) are rows whose result must not reach their token. They stay in the rows
+    (sentinel rows in the last group, ``dropped`` rows in their expert's), so no shape
+    depends on device values, and get ``token_index`` -1, which :func:`unpermute` skips:
+    they contribute zero to the output and receive zero gradient.
     Differentiable w.r.t. ``tokens`` and ``probs``. Never syncs with the host.
     """
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
@@ -134,11 +142,22 @@ def permute(
         )
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"permute: num_experts must be a positive int, got {num_experts!r}")
+    if dropped is not None and (
+        not isinstance(dropped, torch.Tensor)
+        or dropped.dtype != torch.bool
+        or dropped.shape != expert_ids.shape
+    ):
+        raise ValueError(
+            f"permute: dropped must be a bool tensor of the shape of expert_ids {tuple(expert_ids.shape)}, "
+            f"got {_shape(dropped)}"
+        )
     _check_expert_range(expert_ids, num_experts)
 
     device = tokens.device
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1).long()
+    is_sentinel = flat_ids >= num_experts
+    flat_ids = flat_ids.clamp(max=num_experts - 1)
     if expert_order is None:
         sort_key = flat_ids
     else:
@@ -146,10 +165,14 @@ def permute(
         # argsort inverts a permutation and, unlike a scatter, never leaves a slot unset.
         position_of_expert = torch.argsort(expert_order)
         sort_key = position_of_expert[flat_ids]
+    # sentinel rows go to the last group, whatever the order
+    sort_key = torch.where(is_sentinel, num_experts - 1, sort_key)
+    is_dropped = is_sentinel if dropped is None else is_sentinel | dropped.reshape(-1).to(device)
 
     order = torch.argsort(sort_key, stable=True)
-    token_index = torch.div(order, top_k, rounding_mode="floor")
-    rows = tokens.index_select(0, token_index)
+    source_token = torch.div(order, top_k, rounding_mode="floor")
+    rows = tokens.index_select(0, source_token)
+    token_index = torch.where(is_dropped.index_select(0, order), -1, source_token)
     sorted_probs = None if probs is None else probs.reshape(-1).index_select(0, order)
     # scatter_add instead of bincount: bincount reads max() on the host.
     split_sizes = torch.zeros(num_experts, dtype=torch.long, device=device)
@@ -191,18 +214,17 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
 
 
 def _check_expert_range(expert_ids: torch.Tensor, num_experts: int) -> None:
-    """``ValueError`` for ids outside ``[0, num_experts)``; a device-side assert while tracing."""
-    if torch.compiler.is_compiling():
+    """``ValueError`` for negative ids (ids ``>= num_experts`` are dropped rows); a device-side
+    assert while tracing or off the CPU."""
+    if torch.compiler.is_compiling() or expert_ids.device.type != "cpu":
         # No host read enters the graph: the check runs on device (asynchronously on GPUs).
-        ids = expert_ids.long()
-        in_range = ((ids >= 0) & (ids < num_experts)).all()
-        torch._assert_async(in_range, f"permute: expert_ids must lie in [0, {num_experts})")
-    elif expert_ids.device.type == "cpu" and expert_ids.numel() > 0:
-        # Range check only where it costs no device sync.
-        lo, hi = int(expert_ids.min()), int(expert_ids.max())
-        if lo < 0 or hi >= num_experts:
+        torch._assert_async((expert_ids >= 0).all(), "permute: expert_ids must be >= 0")
+    elif expert_ids.numel() > 0:
+        lo = int(expert_ids.min())
+        if lo < 0:
             raise ValueError(
-                f"permute: expert_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]"
+                f"permute: expert_ids must be >= 0 (ids >= num_experts={num_experts} are dropped rows), "
+                f"got {lo}"
             )
 
 
@@ -210,30 +232,39 @@ def _check_expert_range(expert_ids: torch.Tensor, num_experts: int) -> None:
 
 
 class _Combine(torch.autograd.Function):
-    """``out[token_index[i]] += rows[i] * probs[i]``, written into a caller buffer if given."""
+    """``out[token_index[i]] += rows[i] * probs[i]``, written into a caller buffer if given.
+
+    Rows with ``token_index`` -1 (dropped) land in a scratch row that is thrown away, and
+    get zero gradient.
+    """
 
     @staticmethod
-    def forward(ctx, rows, probs, token_index, num_tokens, out_holder):  # noqa: ANN001, ANN205
+    def forward(ctx, rows, probs, token_index, num_tokens, out_holder, may_drop):  # noqa: ANN001, ANN205
         # The target travels in a list so autograd does not treat it as an input: the
         # caller's buffer must stay a plain tensor (no grad_fn), only the view we return
         # joins the graph.
         out = out_holder[0][:num_tokens]
         src = rows if probs is None else rows * probs.to(rows.dtype).unsqueeze(-1)
+        index = torch.where(token_index < 0, num_tokens, token_index) if may_drop else token_index
         low_precision = rows.dtype in (torch.float16, torch.bfloat16)
-        if low_precision:
-            acc = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
-            acc.index_add_(0, token_index, src.float())
-            out.copy_(acc)
+        if low_precision or may_drop:
+            acc_dtype = torch.float32 if low_precision else rows.dtype
+            acc = torch.zeros(num_tokens + int(may_drop), rows.shape[1], dtype=acc_dtype, device=rows.device)
+            acc.index_add_(0, index, src.to(acc_dtype))
+            out.copy_(acc[:num_tokens])
         else:
             out.zero_()
-            out.index_add_(0, token_index, src)
-        ctx.save_for_backward(rows if probs is not None else None, probs, token_index)
+            out.index_add_(0, index, src)
+        ctx.may_drop = may_drop
+        ctx.save_for_backward(rows if probs is not None else None, probs, index)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
-        rows, probs, token_index = ctx.saved_tensors
-        grad_per_row = grad_out.index_select(0, token_index)
+        rows, probs, index = ctx.saved_tensors
+        if ctx.may_drop:
+            grad_out = torch.cat([grad_out, grad_out.new_zeros(1, grad_out.shape[1])])
+        grad_per_row = grad_out.index_select(0, index)
         grad_rows = grad_probs = None
         if ctx.needs_input_grad[0]:
             grad_rows = (
@@ -241,7 +272,7 @@ class _Combine(torch.autograd.Function):
             )
         if probs is not None and ctx.needs_input_grad[1]:
             grad_probs = row_dot(grad_per_row, rows, probs.dtype)
-        return grad_rows, grad_probs, None, None, None
+        return grad_rows, grad_probs, None, None, None, None
 
 
 def unpermute(
@@ -256,8 +287,9 @@ def unpermute(
 
     ``out[t] = sum(rows[i] * probs[i] for i with token_index[i] == t)`` (``probs`` None
     means weight 1, as when the experts already applied the routing weights).
-    Every ``token_index`` (integer) must lie in ``[0, num_tokens)``; this is checked
-    before ``out`` is touched. Tokens routed nowhere get zeros. ``out`` (``[>= num_tokens, H]``, contiguous, no
+    Every ``token_index`` (integer) must lie in ``[0, num_tokens)`` or be -1, a dropped
+    row (see :func:`permute`) that adds nothing; this is checked before ``out`` is
+    touched. Tokens routed nowhere get zeros. ``out`` (``[>= num_tokens, H]``, contiguous, no
     grad) receives the result, and a view of its first rows is returned. Half-precision
     rows are accumulated in float32. Differentiable w.r.t. ``rows`` and ``probs``.
     """
@@ -275,7 +307,7 @@ def unpermute(
         raise ValueError(f"unpermute: token_index must be an integer tensor, got {token_index.dtype}")
     if token_index.device != rows.device:
         raise ValueError(f"unpermute: token_index is on {token_index.device} but rows on {rows.device}")
-    _check_token_range(token_index, num_tokens)
+    may_drop = _check_token_range(token_index, num_tokens)
     if out is None:
         # Not via validate_or_alloc_output: it casts the shape to int, which would pin a
         # traced (symbolic) token count to one value.
@@ -289,22 +321,30 @@ def unpermute(
             op_name="unpermute",
             no_overlap=[t for t in (rows, probs) if t is not None],
         )
-    return _Combine.apply(rows, probs, token_index.long(), num_tokens, [target])
+    return _Combine.apply(rows, probs, token_index.long(), num_tokens, [target], may_drop)
 
 
-def _check_token_range(token_index: torch.Tensor, num_tokens: int) -> None:
-    """Every ``token_index`` in ``[0, num_tokens)``, checked before any output is written."""
+def _check_token_range(token_index: torch.Tensor, num_tokens: int) -> bool:
+    """Every ``token_index`` in ``[0, num_tokens)`` or -1, checked before any output is written.
+
+    Returns whether dropped rows (-1) may be present: known on an eager CPU tensor,
+    assumed while tracing or on other devices (no host read).
+    """
     if torch.compiler.is_compiling() or token_index.device.type != "cpu":
         # No host read, and no formatting of a possibly symbolic num_tokens.
         index = token_index.long()
-        in_range = ((index >= 0) & (index < num_tokens)).all()
-        torch._assert_async(in_range, "unpermute: token_index must lie in [0, num_tokens)")
-    elif token_index.numel() > 0:
-        lo, hi = int(token_index.min()), int(token_index.max())
-        if lo < 0 or hi >= num_tokens:
-            raise ValueError(
-                f"unpermute: token_index must lie in [0, num_tokens={num_tokens}), got values in [{lo}, {hi}]"
-            )
+        in_range = ((index >= -1) & (index < num_tokens)).all()
+        torch._assert_async(in_range, "unpermute: token_index must lie in [0, num_tokens) or be -1 (dropped)")
+        return True
+    if token_index.numel() == 0:
+        return False
+    lo, hi = int(token_index.min()), int(token_index.max())
+    if lo < -1 or hi >= num_tokens:
+        raise ValueError(
+            f"unpermute: token_index must lie in [0, num_tokens={num_tokens}), got values in [{lo}, {hi}] "
+            "(-1 marks a dropped row)"
+        )
+    return lo == -1
 
 
 def _is_int(value: object) -> bool:

@@ -449,7 +449,7 @@ def test_the_activation_table_is_what_ops_rules_and_backends_use():
         if row.gated:  # the cuDNN adapter agrees with the table on which GLUs it fuses
             assert ("cudnn" in row.epilogue_backends) == (glu_unsupported_reason(spec) is None), kind
         if kind in MOE_ACTIVATIONS:
-            assert MOE_ACTIVATIONS[kind][1] == (2 if row.gated else 1)
+            assert MOE_ACTIVATIONS[kind].fc1_factor == (2 if row.gated else 1)
 
 
 def test_the_plan_says_whether_the_activation_runs_fused_as_the_table_says():

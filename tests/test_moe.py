@@ -199,7 +199,17 @@ def test_unpermute_bfloat16_accumulates_in_float32():
     [
         (lambda: permute(torch.randn(3, 2), torch.zeros(2, 1, dtype=torch.long), 2), "rows"),
         (lambda: permute(torch.randn(3, 2), torch.zeros(3, 1), 2), "integer"),
-        (lambda: permute(torch.randn(3, 2), torch.full((3, 1), 2), 2), r"\[0, 2\)"),
+        (lambda: permute(torch.randn(3, 2), torch.full((3, 1), -1), 2), r"must be >= 0.*got -1"),
+        (
+            lambda: permute(
+                torch.randn(3, 2), torch.zeros(3, 1, dtype=torch.long), 2, dropped=torch.ones(3, 1)
+            ),
+            "bool",
+        ),
+        (
+            lambda: unpermute(torch.randn(3, 2), torch.tensor([0, -2, 0]), 1),
+            r"got values in \[-2, 0\] \(-1 marks a dropped row\)",
+        ),
         (
             lambda: permute(torch.randn(3, 2), torch.zeros(3, 1, dtype=torch.long), 2, torch.ones(3, 2)),
             "probs",
@@ -315,7 +325,7 @@ def test_permute_bad_expert_order_fails_in_the_graph():
     "token_index, num_tokens, match",
     [
         (torch.tensor([0, 1, 3]), 3, r"\[0, num_tokens=3\), got values in \[0, 3\]"),
-        (torch.tensor([0, -1, 2]), 3, r"got values in \[-1, 2\]"),
+        (torch.tensor([0, -2, 2]), 3, r"got values in \[-2, 2\]"),
         (torch.tensor([0, 1, 2]), 2, r"num_tokens=2"),  # too-small num_tokens
         (torch.tensor([0, 1, 2]), 0, r"num_tokens=0"),
         (torch.tensor([0.0, 1.0, 2.0]), 3, "integer"),

@@ -117,10 +117,13 @@ def test_full_routing_pipeline_traces_and_matches_eager():
     _assert_same_forward_backward(fn, inputs)
 
 
-def test_permute_out_of_range_ids_fail_in_the_graph():
-    fn = _compiled(lambda tokens, ids: permute(tokens, ids, E).split_sizes)
-    with pytest.raises(RuntimeError, match=r"expert_ids must lie in \[0, 5\)"):
-        fn(torch.randn(3, H), torch.tensor([[0], [E], [1]]))
+def test_permute_negative_ids_fail_in_the_graph_and_sentinel_ids_are_dropped():
+    fn = _compiled(lambda tokens, ids: permute(tokens, ids, E))
+    with pytest.raises(RuntimeError, match=r"expert_ids must be >= 0"):
+        fn(torch.randn(3, H), torch.tensor([[0], [-1], [1]]))
+    perm = fn(torch.randn(3, H), torch.tensor([[0], [E], [1]]))
+    assert perm.split_sizes.tolist() == [1, 1, 0, 0, 1]  # the sentinel row sits in the last group
+    assert perm.token_index.tolist() == [0, 2, -1]
 
 
 # ---------------------------------------------------------------- dynamic token counts

@@ -183,7 +183,8 @@ def _worker(rank: int, world: int, port: int, counts: list[int]) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(world: int, counts: list[int]) -> None:
+def _spawn(world: int, counts: list[int], worker=None) -> None:
+    """Run ``worker(rank, world, port, counts)`` (default: this file's checks) on ``world`` processes."""
     # forkserver: workers fork from a fresh server that imported torch once, so they start
     # fast and inherit no state (threads, process groups) from the pytest process.
     if "forkserver" in mp.get_all_start_methods():
@@ -192,7 +193,7 @@ def _spawn(world: int, counts: list[int]) -> None:
     else:
         method = "spawn"
     context = mp.start_processes(
-        _worker, args=(world, _free_port(), counts), nprocs=world, join=False, start_method=method
+        worker or _worker, args=(world, _free_port(), counts), nprocs=world, join=False, start_method=method
     )
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -188,16 +188,28 @@ class ExpertParallel:
         return torch.arange(self.num_experts, device=device).reshape(w, l).t().reshape(-1)
 
     def dispatch(
-        self, tokens: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        expert_ids: torch.Tensor,
+        probs: torch.Tensor | None = None,
+        *,
+        dropped: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, DispatchState]:
         """Send each (token, expert) row to the expert's rank.
 
         ``tokens`` ``[T, H]``, ``expert_ids`` and ``probs`` ``[T, k]`` (global expert
         ids). Returns the received rows ``[M, H]`` sorted by local expert, their probs
         ``[M]``, and the state for :meth:`combine`. One host sync (the counts).
+        Dropped rows (ids ``>= num_experts``, ``dropped``; see :func:`~fusible_ops.moe.permute`)
+        travel like the others and add nothing in :meth:`combine`.
         """
         perm = permute(
-            tokens, expert_ids, self.num_experts, probs, expert_order=self._send_order(tokens.device)
+            tokens,
+            expert_ids,
+            self.num_experts,
+            probs,
+            expert_order=self._send_order(tokens.device),
+            dropped=dropped,
         )
         w, l = self.world_size, self.num_local_experts  # noqa: E741
         # counts in global expert order: chunk d holds what this rank sends to rank d
