@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .basic.grouped_linear import GroupedLinear
+from .basic.scale import Scale
 from .kernels.activation import join_gate_linear, split_gate_linear
 from .moe import ExpertPlacement
 from .sequential import Sequential
@@ -58,7 +59,10 @@ class _Experts:
 def _experts_of(target: nn.Module) -> nn.Module:
     """The experts Sequential of ``target`` (an MoE, or that Sequential itself), checked."""
     experts = getattr(target, "experts", target) if isinstance(target, nn.Module) else target
-    shape_ok = isinstance(experts, Sequential) and len(experts) == 3
+    # (GroupedLinear, act, GroupedLinear) or, routing weight after fc2, (..., Scale)
+    shape_ok = isinstance(experts, Sequential) and (
+        len(experts) == 3 or (len(experts) == 4 and isinstance(experts[3], Scale))
+    )
     if not shape_ok or not all(isinstance(experts[i], GroupedLinear) for i in (0, 2)):
         found = (
             f"a {type(experts).__name__} of {[type(m).__name__ for m in experts]}"
@@ -67,7 +71,7 @@ def _experts_of(target: nn.Module) -> nn.Module:
         )
         raise TypeError(
             "checkpoint: target must be an fo.MoE or its experts Sequential (GroupedLinear, "
-            f"scaled activation, GroupedLinear); got {found}"
+            f"scaled activation, GroupedLinear) or (GroupedLinear, activation, GroupedLinear, Scale); got {found}"
         )
     return experts
 

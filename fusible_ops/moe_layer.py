@@ -64,8 +64,9 @@ class MoE(nn.Module):
     The router and shared experts are replicated: reduce their gradients like any
     data-parallel parameter.
 
-    In training, ``aux_losses`` holds the last forward's unscaled balancing losses and
-    ``last_expert_load`` its tokens per expert. Input ``[..., hidden]``; output the same
+    In training, ``aux_losses`` holds the last forward's unscaled balancing losses;
+    ``last_expert_load`` holds the last forward's routed rows per expert (dropped ones
+    included) and, with ``capacity_factor``, ``last_dropped_load`` the dropped ones. Input ``[..., hidden]``; output the same
     shape and dtype.
     """
 
@@ -143,6 +144,7 @@ class MoE(nn.Module):
         self.capacity_factor = capacity_factor
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.last_expert_load: torch.Tensor | None = None
+        self.last_dropped_load: torch.Tensor | None = None
 
         kinds = MOE_ACTIVATIONS[activation]
         factory = {"dtype": dtype, "device": device}
@@ -179,6 +181,16 @@ class MoE(nn.Module):
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory)
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+        # moe.to(torch.bfloat16) moves the correction bias but keeps it float32: a dtype cast
+        # would round away the small steps of update_score_correction_bias
+        bias = self._buffers.get("score_correction_bias")
+        super()._apply(fn, recurse)
+        moved = self._buffers.get("score_correction_bias")
+        if bias is not None and moved.dtype != bias.dtype:
+            self._buffers["score_correction_bias"] = bias.to(moved.device)
+        return self
+
     @property
     def ep_rank(self) -> int:
         return 0 if self.expert_parallel is None else self.expert_parallel.rank
@@ -211,6 +223,9 @@ class MoE(nn.Module):
         dropped = None
         if self.capacity_factor is not None:
             dropped = balance.capacity_dropped(expert_ids, self.num_experts, self.capacity_factor)
+            self.last_dropped_load = balance.expert_load(
+                torch.where(dropped, expert_ids, self.num_experts), self.num_experts
+            )
 
         out = self._routed_experts(tokens, expert_ids, routing.weights, dropped)
         if self.shared_experts is not None:

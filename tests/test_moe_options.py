@@ -380,6 +380,40 @@ def test_capacity_drops_rows_and_counts_them():
     moe(x)
     # demand (including the dropped rows) is what last_expert_load reports
     assert int(moe.last_expert_load.sum()) == x.shape[0] * cfg["top_k"]
+    capacity = math.ceil(cfg["capacity_factor"] * x.shape[0] * cfg["top_k"] / cfg["num_experts"])
+    kept = moe.last_expert_load - moe.last_dropped_load
+    assert kept.max() == capacity and (kept <= capacity).all()
+    assert torch.equal(moe.last_dropped_load, (moe.last_expert_load - capacity).clamp(min=0))
+
+
+def test_correction_bias_stays_float32_under_a_dtype_cast():
+    moe = make_moe(MODELS["deepseek_v3"]).to(torch.bfloat16)
+    assert moe.router.weight.dtype == torch.bfloat16 and moe.score_correction_bias.dtype == torch.float32
+
+
+def test_permute_sentinel_and_dropped_rows_add_nothing_and_get_no_gradient():
+    from fusible_ops.moe import permute, unpermute
+
+    gen = torch.Generator().manual_seed(0)
+    tokens_ = torch.randn(5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    ids = torch.tensor([[0, 4], [1, 0], [7, 2], [2, 1], [0, 3]])  # 4 and 7 are sentinels (E = 4)
+    dropped = torch.zeros(5, 2, dtype=torch.bool)
+    dropped[3, 0] = True
+    probs = torch.rand(5, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    perm = permute(tokens_, ids, 4, probs, dropped=dropped)
+    assert int(perm.split_sizes.sum()) == 10 and perm.split_sizes[-1] >= 3  # sentinels sit in the last group
+    assert (perm.token_index == -1).sum() == 3
+    out = unpermute(perm.rows * 2.0, perm.token_index, 5, probs=perm.probs)
+    keep = (ids < 4) & ~dropped
+    expected = torch.stack(
+        [sum(2.0 * tokens_[t] * probs[t, j] for j in range(2) if keep[t, j]) for t in range(5)]
+    )
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.sum(), (tokens_, probs))
+    expected_grads = torch.autograd.grad(expected.sum(), (tokens_, probs))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+    assert (grads[1][~keep] == 0).all()
 
 
 # ---------------------------------------------------------------- bad options
@@ -410,3 +444,46 @@ def test_incompatible_options_raise_at_construction(options, match):
     top_k = kwargs.pop("top_k")
     with pytest.raises(ValueError, match=f"MoE: .*{match}"):
         MoE(H, F, 8, top_k, **kwargs)
+
+
+def test_checkpoint_helpers_load_the_gpt_oss_configuration():
+    """A GPT-OSS-layout checkpoint (transposed, interleaved gate/up, biases) into the 4-op experts."""
+    from fusible_ops.checkpoint import export_stacked, load_stacked
+
+    cfg = MODELS["gpt_oss"]
+    moe = make_moe(cfg)
+    E, gen = cfg["num_experts"], torch.Generator().manual_seed(9)
+    gate_up = torch.randn(E, H, 2 * F, dtype=torch.float64, generator=gen)  # [E, H, 2F], interleaved
+    down = torch.randn(E, F, H, dtype=torch.float64, generator=gen)
+    gate_up_bias = torch.randn(E, 2 * F, dtype=torch.float64, generator=gen)
+    down_bias = torch.randn(E, H, dtype=torch.float64, generator=gen)
+    load_stacked(
+        moe, gate_up, down, gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=True, interleaved=True
+    )
+    # the interleaved layout is what the activation reads: fc1 holds gate_up as is, transposed
+    torch.testing.assert_close(moe.experts[0].weight, gate_up.transpose(1, 2))
+    torch.testing.assert_close(moe.experts[2].bias, down_bias)
+    back = export_stacked(moe, transposed=True, interleaved=True)
+    for name, value in (("gate_up", gate_up), ("down", down), ("gate_up_bias", gate_up_bias)):
+        torch.testing.assert_close(back[name], value)
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3", "gpt_oss", "qwen2_moe", "capacity"])
+def test_options_compile_fullgraph_and_match_eager(model):
+    """Routing, shared experts, capacity and the losses attached to backward trace as one graph."""
+    moe = make_moe(MODELS[model], load_balancing="aux_loss", z_loss_coeff=0.1)
+    x = tokens()
+    eager = moe(x)
+    eager.sum().backward()
+    eager_grads = {name: p.grad.clone() for name, p in moe.named_parameters()}
+    eager_losses = dict(moe.aux_losses)
+    moe.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager)
+    for name, p in moe.named_parameters():
+        torch.testing.assert_close(p.grad, eager_grads[name], msg=lambda m, n=name: f"{n}: {m}")
+    for name, value in eager_losses.items():
+        torch.testing.assert_close(moe.aux_losses[name], value)
