@@ -102,8 +102,8 @@ def _interleave_of(experts: nn.Module) -> int | None:
 
 def _dims(experts: nn.Module) -> tuple[int, int, int, bool]:
     """``(local experts, F, H, gated)``."""
-    num_local, hidden, ffn = experts[2].weight.shape
-    fc1_out = experts[0].weight.shape[1]
+    num_local, hidden, ffn = experts[2].weight_out_in().shape
+    fc1_out = experts[0].weight_out_in().shape[1]
     if fc1_out not in (ffn, 2 * ffn):
         raise TypeError(
             f"checkpoint: fc1 has {fc1_out} outputs; expected {ffn} or {2 * ffn} (fc2 has {ffn} inputs)"
@@ -182,8 +182,8 @@ def _write(target: nn.Module, canon: _Experts) -> None:
             None if canon.gate_bias is None else join_gate_linear(canon.gate_bias, canon.up_bias, interleave)
         )
     with torch.no_grad():
-        fc1.weight.copy_(fc1_weight)
-        fc2.weight.copy_(canon.down)
+        fc1.weight_out_in().copy_(fc1_weight)  # through the [G, out, in] view of either layout
+        fc2.weight_out_in().copy_(canon.down)
         if has_bias:
             fc1.bias.copy_(fc1_bias)
             fc2.bias.copy_(canon.down_bias)
@@ -193,16 +193,18 @@ def _read(target: nn.Module) -> _Experts:
     experts = _experts_of(target)
     fc1, fc2 = experts[0], experts[2]
     _, _, _, gated = _dims(experts)
-    w1 = fc1.weight.detach()
+    w1 = fc1.weight_out_in().detach()
     b1 = None if getattr(fc1, "bias", None) is None else fc1.bias.detach()
     b2 = None if getattr(fc2, "bias", None) is None else fc2.bias.detach()
     if not gated:
-        return _Experts(w1, None, fc2.weight.detach(), b1, None, b2)
+        return _Experts(w1, None, fc2.weight_out_in().detach(), b1, None, b2)
     gate, up = split_gate_linear(w1.transpose(-1, -2), _interleave_of(experts))
     gate_b = up_b = None
     if b1 is not None:
         gate_b, up_b = split_gate_linear(b1, _interleave_of(experts))
-    return _Experts(gate.transpose(-1, -2), up.transpose(-1, -2), fc2.weight.detach(), gate_b, up_b, b2)
+    return _Experts(
+        gate.transpose(-1, -2), up.transpose(-1, -2), fc2.weight_out_in().detach(), gate_b, up_b, b2
+    )
 
 
 # ---------------------------------------------------------------- stacked 3-D layouts
@@ -290,6 +292,7 @@ def _export_stacked_local(target: nn.Module, transposed: bool, interleaved: bool
     result = {"gate_up": gate_up.contiguous(), "down": down.contiguous()}
     if bias is not None:
         result["gate_up_bias"] = bias.contiguous()
+    if canon.down_bias is not None:
         result["down_bias"] = canon.down_bias.clone()
     return result
 
@@ -433,7 +436,8 @@ def load_grouped_keys(
 ) -> None:
     """Load ``{prefix}0.weight{e}`` (fc1 ``[fc1_out, H]``, our gate/up order) and
     ``{prefix}2.weight{e}`` (fc2 ``[H, F]``), plus ``bias{e}`` keys when the experts have
-    biases; ``e`` is the global expert id and only this rank's experts are read."""
+    biases; ``e`` is the global expert id and only this rank's experts are read. The
+    keys hold one group of the parameter as stored (``[H, fc1_out]`` for ``in_out``)."""
     experts = _experts_of(target)
     fc1, fc2 = experts[0], experts[2]
     has_bias = getattr(fc1, "bias", None) is not None

@@ -35,6 +35,9 @@ def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_fe
         raise ValueError(f"{op_name}: input is on {meta.device} but the weight is on {param.device}")
 
 
+WEIGHT_LAYOUTS = ("out_in", "in_out")
+
+
 class GroupedLinear(BasicOperation):
     """``y[rows of group g] = x[rows of group g] @ weight[g].T (+ bias[g])``.
 
@@ -42,11 +45,14 @@ class GroupedLinear(BasicOperation):
         num_groups: number of groups (experts) ``G``.
         in_features / out_features: ``K`` / ``N``.
         bias: add a per-group bias ``[G, N]``.
+        weight_layout: ``"out_in"``: ``weight`` is ``[G, N, K]`` (``[experts, out, in]``,
+            as ``nn.Linear`` and most checkpoints); ``"in_out"``: ``[G, K, N]`` (as GPT-OSS
+            and torchtitan store it; ``y = x @ weight[g]``). The kernels read either
+            layout in place; :meth:`weight_out_in` is the ``[G, N, K]`` view.
 
     Shapes: input ``[..., K]`` (leading dims are token rows, sorted by group), extra
     input ``split_sizes`` (``[G]`` int tensor on any device, or a list of ints),
-    output ``[..., N]``. ``weight`` is ``[G, N, K]`` (the ``[experts, out, in]``
-    checkpoint layout). Kwargs: ``output`` (buffer for the result) and
+    output ``[..., N]``. Kwargs: ``output`` (buffer for the result) and
     ``grad_input`` (buffer for the input gradient).
     """
 
@@ -62,6 +68,7 @@ class GroupedLinear(BasicOperation):
         out_features: int,
         *,
         bias: bool = False,
+        weight_layout: str = "out_in",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -69,11 +76,17 @@ class GroupedLinear(BasicOperation):
         check_sizes(
             "GroupedLinear", num_groups=num_groups, in_features=in_features, out_features=out_features
         )
+        if weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(
+                f"GroupedLinear: weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}"
+            )
         self.num_groups = num_groups
         self.in_features = in_features
         self.out_features = out_features
+        self.weight_layout = weight_layout
         factory = {"device": device, "dtype": dtype}
-        self.weight = torch.nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
+        shape = (out_features, in_features) if weight_layout == "out_in" else (in_features, out_features)
+        self.weight = torch.nn.Parameter(torch.empty(num_groups, *shape, **factory))
         if bias:
             self.bias = torch.nn.Parameter(torch.empty(num_groups, out_features, **factory))
         else:
@@ -84,15 +97,22 @@ class GroupedLinear(BasicOperation):
         """Per group, the initialisation ``torch.nn.Linear`` uses."""
         bound = 1.0 / math.sqrt(self.in_features)
         with torch.no_grad():
+            weight = self.weight_out_in()
             for g in range(self.num_groups):
-                torch.nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
+                torch.nn.init.kaiming_uniform_(weight[g], a=math.sqrt(5))
             if self.bias is not None:
                 torch.nn.init.uniform_(self.bias, -bound, bound)
 
+    def weight_out_in(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` (by default the parameter) as ``[G, N, K]``: itself, or a transposed view."""
+        weight = self.weight if weight is None else weight
+        return weight if self.weight_layout == "out_in" else weight.transpose(-2, -1)
+
     def extra_repr(self) -> str:
+        layout = "" if self.weight_layout == "out_in" else f", weight_layout={self.weight_layout!r}"
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
-            f"out_features={self.out_features}, bias={self.bias is not None}"
+            f"out_features={self.out_features}, bias={self.bias is not None}{layout}"
         )
 
     def _load_from_state_dict(
@@ -140,7 +160,7 @@ class GroupedLinear(BasicOperation):
         dtype = compute_dtype(input_.dtype, input_.device)
         weight_param = ctx.params["weight"]
         x = cast(input_.reshape(-1, self.in_features), dtype)
-        weight, bias = cast(weight_param, dtype), cast(ctx.params["bias"], dtype)
+        weight, bias = cast(self.weight_out_in(weight_param), dtype), cast(ctx.params["bias"], dtype)
         splits = to_split_info(split_sizes, x.shape[0], x.device)
         backend: GroupedGemmBackend = ctx.backend_choice.backend  # the plan's choice
         out_shape = (*input_.shape[:-1], self.out_features)
@@ -170,11 +190,13 @@ class GroupedLinear(BasicOperation):
         grad_input = None
         if ctx.input_requires_grad:
             out = buffer_rows(ctx.grad_input_buffer, dy.shape[0], self.in_features)
-            weight = cast(weight_param, ctx.compute_dtype)
+            weight = cast(self.weight_out_in(weight_param), ctx.compute_dtype)
             grad_input = kernel_ops.dgrad(backend, dy, weight, splits, out=out).view(ctx.input_shape)
         grad_weight = grad_bias = None
         if ctx.needs_param_grad("weight"):
-            grad_weight = cast(kernel_ops.wgrad(backend, dy, saved["x"], splits), weight_param.dtype)
+            # in_out: x^T @ dy per group is [K, N] already, the parameter's layout (no transpose)
+            lhs, rhs = (dy, saved["x"]) if self.weight_layout == "out_in" else (saved["x"], dy)
+            grad_weight = cast(kernel_ops.wgrad(backend, lhs, rhs, splits), weight_param.dtype)
         if ctx.needs_param_grad("bias"):
             grad_bias = cast(kernel_ops.bias_grad(backend, dy, splits, self.num_groups), bias_param.dtype)
         params = [grad_weight] if bias_param is None else [grad_weight, grad_bias]

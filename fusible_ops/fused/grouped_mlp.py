@@ -62,7 +62,8 @@ class GroupedMLP(FusedOperation):
         p1, p2 = basic_op_ctxs[0].params, basic_op_ctxs[2].params
         dtype = compute_dtype(input_.dtype, input_.device)
         x = cast(input_.reshape(-1, fc1.in_features), dtype)
-        w1, b1, w2, b2 = (cast(t, dtype) for t in (p1["weight"], p1["bias"], p2["weight"], p2["bias"]))
+        w1, w2 = cast(fc1.weight_out_in(p1["weight"]), dtype), cast(fc2.weight_out_in(p2["weight"]), dtype)
+        b1, b2 = cast(p1["bias"], dtype), cast(p2["bias"], dtype)
         splits = to_split_info(basic_op_extra_inputs[0][0], x.shape[0], x.device)
         scales_in = basic_op_extra_inputs[self._scales_position()][0]
         scales = scales_in.reshape(-1)
@@ -98,7 +99,8 @@ class GroupedMLP(FusedOperation):
         splits = SplitInfo(ctx1.host_splits, saved["offsets"], saved["host_sizes"])
         dtype = ctx1.compute_dtype
         p1, p2 = ctx1.params, ctx2.params
-        w1, w2, b2 = cast(p1["weight"], dtype), cast(p2["weight"], dtype), cast(p2["bias"], dtype)
+        w1, w2 = cast(fc1.weight_out_in(p1["weight"]), dtype), cast(fc2.weight_out_in(p2["weight"]), dtype)
+        b2 = cast(p2["bias"], dtype)
         dy = cast(grad_output.reshape(-1, fc2.out_features), dtype)
         if not dy.is_contiguous():
             dy = dy.contiguous()
@@ -119,7 +121,11 @@ class GroupedMLP(FusedOperation):
             grad_input = grad_input.view(ctx1.input_shape)
         if grad_scales is not None:
             grad_scales = grad_scales.view(ctx1.scales_shape)
-        grad_params = [_param_grads(p1, grad_w1, grad_b1), [], _param_grads(p2, grad_w2, grad_b2)]
+        grad_params = [
+            _param_grads(p1, _in_layout(fc1, grad_w1), grad_b1),
+            [],
+            _param_grads(p2, _in_layout(fc2, grad_w2), grad_b2),
+        ]
         grad_extra: list[tuple[Any, ...]] = [(None,), (), (None,)]
         if self.scale_after_fc2:
             grad_params.append([])
@@ -127,6 +133,12 @@ class GroupedMLP(FusedOperation):
         else:
             grad_extra[1] = (grad_scales,)
         return FusedBackward(grad_input, grad_params, grad_extra)
+
+
+def _in_layout(fc: GroupedLinear, grad_weight):
+    """A ``[G, N, K]`` weight gradient in ``fc``'s layout (for in_out a transposed view,
+    which autograd lays out like the parameter when it accumulates)."""
+    return None if grad_weight is None else fc.weight_out_in(grad_weight)
 
 
 def _param_grads(params: dict, grad_weight, grad_bias) -> list:

@@ -27,6 +27,13 @@ _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ALIGN_BYTES = 16
 
 
+def _dense(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[G, N, K]`` if it is row-major or column-major per group, else a contiguous copy."""
+    if weight.is_contiguous() or weight.transpose(-2, -1).is_contiguous():
+        return weight
+    return weight.contiguous()
+
+
 def _aligned_2d(t: torch.Tensor) -> torch.Tensor:
     """``t`` if ``_grouped_mm`` accepts its strides as a row-major 2-D operand, else a contiguous copy."""
     if t.numel() == 0:
@@ -108,16 +115,15 @@ class TorchGroupedMMBackend(GroupedGemmBackend):
 
     # ------------------------------------------------------------ hooks (arguments checked)
     def _fprop(self, x, weight, split_sizes, offsets, bias, out) -> torch.Tensor:
-        # weight[g].T as a column-major [K, N] operand: no copy for a contiguous weight.
-        result = torch._grouped_mm(
-            _aligned_2d(x), weight.contiguous().transpose(-2, -1), offs=self._offs(offsets)
-        )
+        # weight[g].T as a [K, N] operand: column-major for an out_in weight, row-major
+        # for the transposed view of an in_out one; no copy either way
+        result = torch._grouped_mm(_aligned_2d(x), _dense(weight).transpose(-2, -1), offs=self._offs(offsets))
         if bias is not None:
             self._add_bias(result, bias, split_sizes, offsets)
         return self._deliver(result, out, split_sizes, offsets)
 
     def _dgrad(self, grad_out, weight, split_sizes, offsets, out) -> torch.Tensor:
-        result = torch._grouped_mm(_aligned_2d(grad_out), weight.contiguous(), offs=self._offs(offsets))
+        result = torch._grouped_mm(_aligned_2d(grad_out), _dense(weight), offs=self._offs(offsets))
         return self._deliver(result, out, split_sizes, offsets)
 
     def _wgrad(self, grad_out, x, split_sizes, offsets, out) -> torch.Tensor:
