@@ -94,6 +94,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add the MoE layer single-process vs EP=2 row (default: off)",
     )
+    parser.add_argument(
+        "--hf",
+        metavar="FAMILY",
+        choices=("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss"),
+        help="instead: one Hugging Face MoE experts module of FAMILY (mixtral, qwen3_moe, qwen2_moe, "
+        "olmoe, deepseek_v3, gpt_oss), transformers' eager and grouped_mm vs fusible_ops, bf16 and "
+        "fp32, CPU, 2048 tokens, hidden 1024, 32 experts, ffn 512, top-4; reads --repeats "
+        "(default 3 here) and --progress; needs transformers (default: none)",
+    )
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -244,3 +244,33 @@ def test_help_is_plain_text_and_shows_every_bench_default(capsys, monkeypatch):
         main(["--help"])
     top = capsys.readouterr().out
     assert "``" not in top and "demo" in top and "bench" in top and "info" in top
+
+
+def test_bench_hf_refuses_an_unknown_family(capsys):
+    line = _usage_error(capsys, ["bench", "--hf", "llama"])
+    assert "--hf" in line and "invalid choice: 'llama'" in line
+
+
+def test_bench_hf_without_transformers_is_one_clear_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
+    args = build_parser().parse_args(["bench", "--hf", "mixtral"])
+    with pytest.raises(UsageError, match=r"--hf needs transformers"):
+        bench.main(args)
+
+
+def test_hf_bench_times_three_implementations_that_agree():
+    pytest.importorskip("transformers")
+    from fusible_ops.cli.hf_bench import HfShape, format_hf_table, run_hf_bench
+
+    shape = HfShape(tokens=64, hidden=64, experts=4, ffn=32, top_k=2)
+    for family in ("mixtral", "gpt_oss"):
+        results = run_hf_bench(family, dtypes=("float32",), shape=shape, repeats=1)
+        medians = results["medians_ms"]["float32"]
+        assert set(medians) == {"eager", "grouped_mm", "fusible_ops"} and all(v > 0 for v in medians.values())
+        assert results["max_rel_diff"]["float32"]["fusible_ops"] < 1e-5
+        assert "| float32 |" in format_hf_table(results)

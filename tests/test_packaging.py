@@ -64,6 +64,7 @@ def test_importing_the_package_loads_no_distributed_or_compiler_modules_of_its_o
     assert not unwanted, unwanted[:10]
     assert "fusible_ops.parallel.expert_parallel" not in with_package
     assert not any(m.startswith(("triton", "cudnn", "transformers")) for m in added)
+    assert "fusible_ops.integrations.transformers" not in with_package
 
 
 def test_parallel_names_load_on_first_use():

@@ -412,8 +412,16 @@ def plot(results: dict, path: str) -> None:
 
 def main(args) -> int:
     """``python -m fusible_ops bench``: every flag is checked (:func:`check_bench_args`) first."""
-    from .args import check_bench_args
+    from .args import UsageError, check_bench_args
 
+    if getattr(args, "hf", None):
+        from importlib.util import find_spec
+
+        if find_spec("transformers") is None:
+            raise UsageError("--hf needs transformers (pip install 'fusible-ops[transformers]')")
+        from .hf_bench import main as hf_main
+
+        return hf_main(args.hf, args.repeats or 3, args.progress is not False)
     config = check_bench_args(args)
     with fo.settings(backend=config.backend):
         results = run_bench(

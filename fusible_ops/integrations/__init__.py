@@ -1,0 +1,1 @@
+"""Integrations with other libraries; each submodule is imported only when asked for."""

@@ -1,0 +1,259 @@
+"""fusible_ops.integrations.transformers: HF MoE models' experts on fusible-ops, vs HF eager.
+
+Tiny random models (2 layers, hidden 64, 8 experts) of six families, in float64: logits,
+loss and every parameter's gradient equal HF's eager experts; the expert parameters stay
+the same objects; the fused plan ran. Plus training, save/load, generate, the fallback
+and the expert-parallel sentinel.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+fot = pytest.importorskip("fusible_ops.integrations.transformers")
+
+COMMON = dict(
+    vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def _configs() -> dict:
+    t = transformers
+    return {
+        "mixtral": t.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+        "qwen3_moe": t.Qwen3MoeConfig(
+            **COMMON, head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True,
+        ),
+        "qwen2_moe": t.Qwen2MoeConfig(
+            **COMMON, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        ),
+        "olmoe": t.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+        "deepseek_v3": t.DeepseekV3Config(
+            **COMMON, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=2, topk_group=1, first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=None,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        ),
+        "gpt_oss": t.GptOssConfig(
+            **COMMON, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2
+        ),
+    }  # fmt: skip
+
+
+FAMILIES = list(_configs())
+
+
+def _model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0):
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(_configs()[family])
+    model = model.to(dtype)
+    with torch.no_grad():  # HF initialises biases to zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("_bias") or "router.bias" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def _experts(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
+
+
+def _run(model, ids):
+    model.zero_grad()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_hf_eager_in_float64(family):
+    model = _model(family)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    experts = _experts(model)
+    pointers = [(p.data_ptr(), id(p)) for e in experts for p in e.parameters()]
+    keys = list(model.state_dict())
+    model.set_experts_implementation("eager")
+    logits, loss, grads = _run(model, ids)
+    model.set_experts_implementation("fusible_ops")
+    fo_logits, fo_loss, fo_grads = _run(model, ids)
+    assert _rel(fo_logits, logits) < 1e-9 and abs(float(fo_loss - loss)) < 1e-9 * float(loss)
+    for name, grad in grads.items():
+        assert _rel(fo_grads[name], grad) < 1e-9, name
+    # the parameters are shared, not copied, and the fused plan ran
+    assert [(p.data_ptr(), id(p)) for e in experts for p in e.parameters()] == pointers
+    assert list(model.state_dict()) == keys
+    for e in experts:
+        ops = fot.cached_ops(e)
+        assert ops is not None and not any(m is ops for m in model.modules())
+        assert ops.last_plan.fusion_plans[0].forward_op_types() == ["GroupedMLP"], ops.last_plan
+        assert ops[0].weight is (e.gate_up_proj if e.has_gate else e.up_proj)
+    # the experts' output alone, on random routing (an expert with no token included)
+    e = experts[0]
+    x = torch.randn(9, 64, dtype=torch.float64)
+    top_k = torch.stack([torch.randperm(7)[:2] for _ in range(9)])  # expert 7 gets nothing
+    weights = torch.rand(9, 2, dtype=torch.float64)
+    got = fot.experts_forward(e, x, top_k, weights)
+    model.set_experts_implementation("eager")
+    assert _rel(got, e(x, top_k, weights)) < 1e-12
+
+
+def test_parameters_replaced_rebuilds_the_ops():
+    model = _model("mixtral")
+    model.set_experts_implementation("fusible_ops")
+    ids = torch.randint(0, 97, (1, 8))
+    model(ids)
+    e = _experts(model)[0]
+    before = fot.cached_ops(e)
+    e.gate_up_proj = torch.nn.Parameter(e.gate_up_proj.detach().clone() * 2)
+    out = model(ids).logits
+    assert fot.cached_ops(e) is not before and fot.cached_ops(e)[0].weight is e.gate_up_proj
+    model.set_experts_implementation("eager")
+    assert _rel(out, model(ids).logits) < 1e-9
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_training_losses_follow_hf_within_its_own_float32_noise(family):
+    def train(implementation: str) -> list[float]:
+        model = _model(family, torch.float32, seed=3)
+        model.set_experts_implementation(implementation)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(4)
+        losses = []
+        for _ in range(20):
+            ids = torch.randint(0, 97, (2, 16), generator=gen)
+            loss = model(ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        return losses
+
+    eager, grouped, fused = train("eager"), train("grouped_mm"), train("fusible_ops")
+    assert fused[-1] < fused[0]  # it trains
+    noise = max(abs(a - b) for a, b in zip(grouped, eager))
+    gap = max(abs(a - b) for a, b in zip(fused, eager))
+    assert gap <= max(10 * noise, 1e-5), (gap, noise)
+
+
+def test_save_pretrained_from_pretrained_and_generate(tmp_path):
+    model = _model("qwen3_moe", torch.float32)
+    model.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, experts_implementation="fusible_ops"
+        )
+    assert loaded.config._experts_implementation == "fusible_ops"
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    prompt = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(2))
+    model.set_experts_implementation("eager")
+    expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    got = loaded.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected)
+    assert fot.cached_ops(_experts(loaded)[0]) is not None  # it ran on fusible-ops
+
+
+def test_post_expert_norm_falls_back_with_one_warning():
+    model = _model("mixtral", torch.float32)
+    e = _experts(model)[0]
+    e.has_post_expert_norm = True
+    e.post_expert_norm = torch.nn.LayerNorm(64)
+    x = torch.randn(6, 64)
+    top_k = torch.randint(0, 8, (6, 2))
+    weights = torch.rand(6, 2)
+    fot._WARNED.discard(type(e))
+    with pytest.warns(
+        UserWarning, match=r"MixtralExperts runs on transformers' grouped_mm .*post-expert norm"
+    ):
+        got = fot.experts_forward(e, x, top_k, weights)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per class
+        fot.experts_forward(e, x, top_k, weights)
+    torch.testing.assert_close(
+        got, transformers.integrations.moe.grouped_mm_experts_forward(e, x, top_k, weights)
+    )
+    assert fot.unsupported_reason(e) == "a post-expert norm (has_post_expert_norm=True)"
+    with pytest.raises(ValueError, match="from_hf_experts: MixtralExperts cannot run on fusible-ops"):
+        fot.from_hf_experts(e)
+
+
+def test_unknown_gate_override_and_activation_are_reasons():
+    model = _model("mixtral", torch.float32)
+    e = _experts(model)[0]
+    e.act_fn = torch.nn.GELU()  # exact-erf GELU: no fused kernel computes it
+    assert "no fused gated activation for act_fn GELU" in fot.unsupported_reason(e)
+    e.act_fn = torch.nn.SiLU()
+    assert fot.unsupported_reason(e) is None
+
+    class CustomExperts(type(e)):
+        def _apply_gate(self, gate_up):
+            return gate_up[..., :32] * 2
+
+    e.__class__ = CustomExperts
+    assert "unknown _apply_gate override" in fot.unsupported_reason(e)
+
+
+def test_expert_parallel_sentinel_ids_are_dropped():
+    model = _model("gpt_oss", torch.float32)
+    e = _experts(model)[0]
+    x = torch.randn(7, 64)
+    top_k = torch.randint(0, 8, (7, 2))
+    top_k[1, 0] = top_k[4, 1] = 8  # transformers' sentinel for experts on other ranks
+    weights = torch.rand(7, 2)
+    got = fot.experts_forward(e, x, top_k, weights)
+    keep = (top_k < 8).to(weights.dtype)
+    e._is_expert_parallel = True
+    expected = transformers.integrations.moe.grouped_mm_experts_forward(e, x, top_k, weights)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # the same as routing the kept pairs only (a dropped pair's weight set to zero)
+    torch.testing.assert_close(got, fot.experts_forward(e, x, top_k.clamp(max=7), weights * keep))
+
+
+def test_from_hf_and_to_hf_experts_round_trip():
+    from fusible_ops.checkpoint import export_stacked
+    from fusible_ops.moe_layer import MoE
+
+    model = _model("gpt_oss", torch.float64)
+    e = _experts(model)[0]
+    seq = fot.from_hf_experts(e)
+    assert seq[0].weight is e.gate_up_proj and seq[0].weight_layout == "in_out" and len(seq) == 4
+    moe = MoE(
+        64, 32, 8, 2, activation="clamped_swiglu", bias=True, scale_after_fc2=True, dtype=torch.float64,
+        activation_kwargs={"limit": e.limit, "alpha": e.alpha, "glu_interleave_size": 1},
+    )  # fmt: skip
+    fot.to_hf_experts(moe, e)
+    for name, value in export_stacked(moe).items():
+        torch.testing.assert_close(export_stacked(seq)[name], value)
+
+
+def test_version_range_is_declared():
+    low, high = fot.SUPPORTED_VERSIONS
+    version = tuple(int(v) for v in transformers.__version__.split(".")[:2])
+    assert low <= version < high
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = _model("olmoe")
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(5))
+    model.set_experts_implementation("eager")
+    _, loss, grads = _run(model, ids)
+    model.set_experts_implementation("fusible_ops")
+    model.gradient_checkpointing_enable()
+    model.train()
+    _, fo_loss, fo_grads = _run(model, ids)
+    assert abs(float(fo_loss - loss)) < 1e-9 * float(loss)
+    for name, grad in grads.items():
+        assert _rel(fo_grads[name], grad) < 1e-9, name
