@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -19,13 +19,17 @@ IMPLEMENTATIONS = ("eager", "grouped_mm", "fusible_ops")
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
-@dataclass(frozen=True)
-class HfShape:
-    tokens: int = 2048
-    hidden: int = 1024
-    experts: int = 32
-    ffn: int = 512
-    top_k: int = 4
+#: the realistic CPU shape of the issue: 2048 tokens, hidden 1024, 32 experts, ffn 512, top-4
+class HfShape(NamedTuple):
+    tokens: int
+    hidden: int
+    experts: int
+    ffn: int
+    top_k: int
+
+
+HfShape.__new__.__defaults__ = (2048, 1024, 32, 512, 4)
+DEFAULT_HF_SHAPE = HfShape()
 
 
 def _config(family: str, shape: HfShape):
@@ -76,13 +80,13 @@ def _time_once(experts, implementation, x, top_k, weights, grad) -> float:
     return time.perf_counter() - start
 
 
-def run_hf_bench(family: str, dtypes=("bfloat16", "float32"), shape: HfShape = HfShape(), repeats: int = 3,
+def run_hf_bench(family: str, dtypes=("bfloat16", "float32"), shape: HfShape = DEFAULT_HF_SHAPE, repeats: int = 3,
                  progress=None) -> dict:  # fmt: skip
     """``{dtype: {implementation: median ms}}`` plus the shape; every implementation checked
     against eager before timing (max relative difference recorded)."""
     results: dict = {
         "family": family,
-        "shape": shape.__dict__,
+        "shape": shape._asdict(),
         "repeats": repeats,
         "medians_ms": {},
         "max_rel_diff": {},
