@@ -168,3 +168,47 @@ def test_bad_weight_layout_is_refused():
         ValueError, match=r"GroupedLinear: weight_layout must be one of \('out_in', 'in_out'\)"
     ):
         fo.GroupedLinear(2, 4, 4, weight_layout="oi")
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "dispatch_mode"])
+def test_fused_block_in_out_weight_gradients_need_no_copy(traced):
+    """The fused backward computes in_out weight gradients in the parameters' layout."""
+    fc1 = fo.GroupedLinear(8, 64, 192, weight_layout="in_out")
+    fc2 = fo.GroupedLinear(8, 96, 64, weight_layout="in_out")
+    seq = fo.Sequential(fc1, fo.ScaledSwiGLU(), fc2)
+    splits = [60] * 7 + [80]
+    x, probs, grad = torch.randn(500, 64, requires_grad=True), torch.rand(500), torch.randn(500, 64)
+    with fo.settings(backend="cpu"):
+        seq(x, splits, probs, splits)
+        record = _RecordCopies()
+        with record if traced else _Null():
+            seq(x, splits, probs, splits).backward(grad)
+    assert fc1.weight.grad.is_contiguous() and fc2.weight.grad.is_contiguous()
+    if traced:
+        assert not {fc1.weight.numel(), fc2.weight.numel()} & set(record.copied_numels), record.copied_numels
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_fused_gpt_oss_layout_block_compiles_with_inductor():
+    """The in_out weight gradients' strides (fake and real alike) survive Inductor."""
+    torch.manual_seed(2)
+    fc1 = fo.GroupedLinear(4, 16, 32, bias=True, weight_layout="in_out")
+    fc2 = fo.GroupedLinear(4, 16, 16, bias=True, weight_layout="in_out")
+    seq = fo.Sequential(fc1, fo.ClampedSwiGLU(glu_interleave_size=1), fc2, fo.Scale())
+    x, probs, splits = torch.randn(20, 16, requires_grad=True), torch.rand(20), torch.tensor([5, 0, 7, 8])
+    seq(x, splits, splits, probs).square().sum().backward()
+    expected = [p.grad.clone() for p in seq.parameters()] + [x.grad.clone()]
+    seq.zero_grad()
+    x.grad = None
+    torch._dynamo.reset()
+    torch.compile(seq, fullgraph=True)(x, splits, splits, probs).square().sum().backward()
+    for got, want in zip([p.grad for p in seq.parameters()] + [x.grad], expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert got.is_contiguous()

@@ -174,6 +174,22 @@ def _mlp_forward_out_fake(x, w1, b1, w2, b2, scales, offsets, host_sizes, *rest)
     return x.new_empty(x.shape[0], w1.shape[1])
 
 
+def _k_major(weight: Tensor) -> bool:
+    """A ``[G, N, K]`` view of an in_out (``[G, K, N]`` contiguous) weight."""
+    return not weight.is_contiguous() and weight.transpose(-2, -1).is_contiguous()
+
+
+def _wgrad_like(
+    kernels: GroupedGemmBackend, weight: Tensor, grad_out: Tensor, x: Tensor, host, offsets
+) -> Tensor:
+    """The ``[G, N, K]`` gradient of ``weight``, laid out like it: for the view of an in_out
+    weight, ``x^T @ grad_out`` per group (``[G, K, N]``) seen transposed, so the parameter
+    receives its own layout without a copy."""
+    if _k_major(weight):
+        return kernels.wgrad(x, grad_out, host, offsets).transpose(-2, -1)
+    return kernels.wgrad(grad_out, x, host, offsets)
+
+
 def _mlp_backward_impl(
     kernels: GroupedGemmBackend,
     dy: Tensor,
@@ -205,14 +221,14 @@ def _mlp_backward_impl(
     elif scale_after_fc2 and b2 is not None:
         group_bias = b2.index_select(0, group_ids_from_offsets(offsets, dy.shape[0]))
         grad_scales = grad_scales + row_dot(dy, group_bias, grad_scales.dtype)
-    grad_w2 = kernels.wgrad(dy, act_scaled, host, offsets) if need_w2 else None
+    grad_w2 = _wgrad_like(kernels, w2, dy, act_scaled, host, offsets) if need_w2 else None
     del act_scaled
     grad_b2 = None
     if need_b2:
         dy_b2 = dy * scales.to(dy.dtype).unsqueeze(-1) if scale_after_fc2 else dy
         grad_b2 = kernels.bias_grad(dy_b2, host, offsets, groups)
     grad_input = kernels.dgrad(grad_pre, w1, host, offsets, out=grad_input_out) if need_input else None
-    grad_w1 = kernels.wgrad(grad_pre, x, host, offsets) if need_w1 else None
+    grad_w1 = _wgrad_like(kernels, w1, grad_pre, x, host, offsets) if need_w1 else None
     grad_b1 = kernels.bias_grad(grad_pre, host, offsets, groups) if need_b1 else None
     return grad_input, grad_w1, grad_b1, grad_w2, grad_b2, grad_scales
 
@@ -258,7 +274,11 @@ def _mlp_grad_fakes(dy, w1, w2, scales, needs) -> list[Tensor]:
         tuple(scales.shape),
     ]
     like = [dy, dy, dy, dy, dy, scales]
-    return [t.new_empty(shape) if need else dy.new_empty(0) for t, shape, need in zip(like, shapes, needs)]
+    fakes = [t.new_empty(shape) if need else dy.new_empty(0) for t, shape, need in zip(like, shapes, needs)]
+    for index, weight in ((1, w1), (3, w2)):  # weight gradients come laid out like the weights
+        if needs[index] and _k_major(weight):
+            fakes[index] = dy.new_empty(weight.shape[0], weight.shape[2], weight.shape[1]).transpose(-2, -1)
+    return fakes
 
 
 def _mlp_backward_fake(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, backend, *rest):
