@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .basic.grouped_linear import GroupedLinear
+from .basic.grouped_linear import GroupedLinear, local_groups
 from .basic.scale import Scale
 from .kernels.activation import join_gate_linear, split_gate_linear
 from .moe import ExpertPlacement
@@ -79,7 +79,7 @@ def _experts_of(target: nn.Module) -> nn.Module:
 def _placement(target: nn.Module) -> ExpertPlacement:
     """Where ``target``'s experts sit among the global ones (all of them without EP)."""
     experts = _experts_of(target)
-    num_local = experts[0].weight.shape[0]
+    num_local = local_groups(experts[0].weight).shape[0]
     return experts.expert_placement or ExpertPlacement(0, num_local, num_local)
 
 
@@ -100,10 +100,15 @@ def _interleave_of(experts: nn.Module) -> int | None:
     return size
 
 
+def _local_out_in(fc: GroupedLinear) -> torch.Tensor:
+    """``fc``'s weight as ``[local groups, out, in]``: this rank's shard of a DTensor, as a view."""
+    return fc.weight_out_in(local_groups(fc.weight))
+
+
 def _dims(experts: nn.Module) -> tuple[int, int, int, bool]:
     """``(local experts, F, H, gated)``."""
-    num_local, hidden, ffn = experts[2].weight_out_in().shape
-    fc1_out = experts[0].weight_out_in().shape[1]
+    num_local, hidden, ffn = _local_out_in(experts[2]).shape
+    fc1_out = _local_out_in(experts[0]).shape[1]
     if fc1_out not in (ffn, 2 * ffn):
         raise TypeError(
             f"checkpoint: fc1 has {fc1_out} outputs; expected {ffn} or {2 * ffn} (fc2 has {ffn} inputs)"
@@ -182,22 +187,22 @@ def _write(target: nn.Module, canon: _Experts) -> None:
             None if canon.gate_bias is None else join_gate_linear(canon.gate_bias, canon.up_bias, interleave)
         )
     with torch.no_grad():
-        fc1.weight_out_in().copy_(fc1_weight)  # through the [G, out, in] view of either layout
-        fc2.weight_out_in().copy_(canon.down)
+        _local_out_in(fc1).copy_(fc1_weight)  # through the [G, out, in] view of this rank's groups
+        _local_out_in(fc2).copy_(canon.down)
         if has_bias:
-            fc1.bias.copy_(fc1_bias)
-            fc2.bias.copy_(canon.down_bias)
+            local_groups(fc1.bias).copy_(fc1_bias)
+            local_groups(fc2.bias).copy_(canon.down_bias)
 
 
 def _read(target: nn.Module) -> _Experts:
     experts = _experts_of(target)
     fc1, fc2 = experts[0], experts[2]
     _, _, _, gated = _dims(experts)
-    w1 = fc1.weight_out_in().detach()
-    b1 = None if getattr(fc1, "bias", None) is None else fc1.bias.detach()
-    b2 = None if getattr(fc2, "bias", None) is None else fc2.bias.detach()
+    w1 = _local_out_in(fc1).detach()
+    b1 = None if getattr(fc1, "bias", None) is None else local_groups(fc1.bias).detach()
+    b2 = None if getattr(fc2, "bias", None) is None else local_groups(fc2.bias).detach()
     if not gated:
-        return _Experts(w1, None, fc2.weight_out_in().detach(), b1, None, b2)
+        return _Experts(w1, None, _local_out_in(fc2).detach(), b1, None, b2)
     gate, up = split_gate_linear(w1.transpose(-1, -2), _interleave_of(experts))
     gate_b = up_b = None
     if b1 is not None:
@@ -477,5 +482,5 @@ def export_grouped_keys(target: nn.Module, prefix: str = "experts.") -> dict[str
             if param is None:
                 continue
             for i, e in enumerate(expert_range(target)):
-                result[f"{prefix}{op_index}.{kind}{e}"] = param.detach()[i].clone()
+                result[f"{prefix}{op_index}.{kind}{e}"] = local_groups(param).detach()[i].clone()
     return result

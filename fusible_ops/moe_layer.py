@@ -59,8 +59,12 @@ class MoE(nn.Module):
     with ``scale_after_fc2``, ``Scale``; optionally ``shared_experts`` and
     ``shared_expert_gate``.
 
-    With ``ep_group`` (a ``torch.distributed`` group of ``W`` ranks) rank ``r`` holds
-    experts ``[r*L, (r+1)*L)``, ``L = num_experts / W``; tokens travel by all-to-all.
+    With ``ep_group`` (a ``torch.distributed`` group of ``W`` ranks) or ``ep_mesh`` (a 1-D
+    ``DeviceMesh``, e.g. ``world_mesh["ep"]``) rank ``r`` holds experts ``[r*L, (r+1)*L)``,
+    ``L = num_experts / W``; tokens travel by all-to-all. With ``ep_mesh`` the expert
+    weights and biases are DTensors ``Shard(0)`` of global shape ``[num_experts, ...]``
+    (the kernels compute on the local shards), so ``state_dict``, optimizers and
+    ``torch.distributed.checkpoint`` see every expert once.
     The router and shared experts are replicated: reduce their gradients like any
     data-parallel parameter.
 
@@ -101,6 +105,7 @@ class MoE(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         ep_group: object | None = None,
+        ep_mesh: object | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
@@ -118,6 +123,11 @@ class MoE(nn.Module):
         _check_balancing(load_balancing, aux_loss_coeff, z_loss_coeff, bias_update_rate)
         _check_options(shared_ffn_hidden_size, shared_expert_gate, router_jitter, capacity_factor)
 
+        if ep_mesh is not None:
+            if ep_group is not None:
+                raise ValueError("MoE: give ep_group or ep_mesh, not both")
+            ep_group = _ep_group_of(ep_mesh, num_experts, device)
+        self.ep_mesh = ep_mesh
         self.expert_parallel = None
         num_local_experts = num_experts
         if ep_group is not None:
@@ -161,6 +171,8 @@ class MoE(nn.Module):
         self.experts.expert_placement = ExpertPlacement(
             self.ep_rank * num_local_experts, num_local_experts, num_experts
         )
+        if ep_mesh is not None:
+            _shard_experts(self.experts, ep_mesh)
         if score_correction_bias or load_balancing == "aux_free":
             self.register_buffer("score_correction_bias", torch.zeros(num_experts, device=device))
             # counted over forwards in training, consumed by update_score_correction_bias()
@@ -346,6 +358,43 @@ class MoE(nn.Module):
     @property
     def renormalize(self) -> bool:
         return self.routing.renormalize
+
+
+def _ep_group_of(mesh: object, num_experts: int, device: torch.device | str | None) -> object:
+    """The process group of a 1-D expert-parallel ``DeviceMesh``, after checking it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"MoE: ep_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"MoE: ep_mesh must be 1-D (a named dimension such as world_mesh['ep']), got {mesh.ndim}-D "
+            f"with dims {mesh.mesh_dim_names}"
+        )
+    if num_experts % mesh.size():
+        raise ValueError(f"MoE: num_experts={num_experts} is not divisible by the ep_mesh size {mesh.size()}")
+    wanted = torch.device(device).type if device is not None else torch.get_default_device().type
+    if mesh.device_type != wanted:
+        raise ValueError(
+            f"MoE: ep_mesh is a {mesh.device_type!r} mesh but the parameters are made on {wanted!r}; "
+            "use a mesh of the parameters' device type"
+        )
+    return mesh.get_group()
+
+
+def _shard_experts(experts: Sequential, mesh: object) -> None:
+    """Make every expert parameter a DTensor ``Shard(0)`` of global shape ``[num_experts, ...]``
+    from this rank's local experts (no communication)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for op in experts:
+        if not isinstance(op, GroupedLinear):
+            continue
+        for name in ("weight", "bias"):
+            local = getattr(op, name)
+            if local is not None:
+                sharded = DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False)
+                setattr(op, name, nn.Parameter(sharded, requires_grad=local.requires_grad))
 
 
 def _make_activation(cls: type, kwargs: dict) -> nn.Module:

@@ -38,6 +38,18 @@ def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_fe
 WEIGHT_LAYOUTS = ("out_in", "in_out")
 
 
+def is_group_sharded(tensor: object) -> bool:
+    """A DTensor split over ranks along the group dim only (every placement ``Shard(0)``)."""
+    if type(tensor).__name__ != "DTensor":
+        return False
+    return all(getattr(p, "dim", None) == 0 and p.is_shard() for p in tensor.placements)
+
+
+def local_groups(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's groups of a group-sharded DTensor (differentiable); anything else as is."""
+    return tensor.to_local() if is_group_sharded(tensor) else tensor
+
+
 class GroupedLinear(BasicOperation):
     """``y[rows of group g] = x[rows of group g] @ weight[g].T (+ bias[g])``.
 
@@ -103,6 +115,12 @@ class GroupedLinear(BasicOperation):
             if self.bias is not None:
                 torch.nn.init.uniform_(self.bias, -bound, bound)
 
+    def param_tensors(self) -> dict[str, torch.Tensor | None]:
+        """As the base class, with expert-sharded DTensors (every placement ``Shard(0)``, as
+        ``fo.MoE(ep_mesh=...)`` makes them) as their local shards: the kernels compute on
+        this rank's groups, and ``to_local``'s backward turns the gradients back into DTensors."""
+        return {name: local_groups(t) for name, t in super().param_tensors().items()}
+
     def weight_out_in(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``weight`` (by default the parameter) as ``[G, N, K]``: itself, or a transposed view."""
         weight = self.weight if weight is None else weight
@@ -119,10 +137,20 @@ class GroupedLinear(BasicOperation):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors
     ):
         # Accept per-group keys weight0..weight{G-1} (and bias0..) as well as the stacked tensors.
+        # On group-sharded DTensor parameters the per-group keys are this rank's local groups.
         for name in ("weight", "bias"):
-            per_group = [f"{prefix}{name}{g}" for g in range(self.num_groups)]
+            param = getattr(self, name)
+            local_count = self.num_groups if param is None else local_groups(param).shape[0]
+            per_group = [f"{prefix}{name}{g}" for g in range(local_count)]
             if prefix + name not in state_dict and all(k in state_dict for k in per_group):
-                state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in per_group])
+                stacked = torch.stack([state_dict.pop(k) for k in per_group])
+                if is_group_sharded(param):
+                    from torch.distributed.tensor import DTensor
+
+                    stacked = DTensor.from_local(
+                        stacked, param.device_mesh, param.placements, run_check=False
+                    )
+                state_dict[prefix + name] = stacked
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected, errors
         )

@@ -1,0 +1,201 @@
+"""fo.MoE(ep_mesh=...): expert weights as DTensor Shard(0), and distributed checkpoints
+that keep every expert, across expert-parallel sizes (gloo, CPU, spawned processes).
+
+Each distributed result is compared with a single-process MoE holding the same global
+weights: outputs, input gradients, global expert gradients; DCP round trips of model and
+Adam state must give bit-exact global weights and the uninterrupted run's next losses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_moe_ep import FFN, HIDDEN, NUM_EXPERTS, _global_tokens, _init_weights, _spawn
+
+from fusible_ops.checkpoint import export_stacked, load_stacked
+from fusible_ops.moe_layer import MoE
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with gloo is not available",
+)
+
+TOKENS = 16  # the global batch of the training checks, split evenly over the ranks
+LR = 1e-2
+
+
+def _mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))["ep"]
+
+
+def _reference(bias: bool, seed: int = 11) -> MoE:
+    ref = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=bias, dtype=torch.float64)
+    _init_weights(ref, seed=seed)
+    return ref
+
+
+def _ep_moe(ref: MoE, mesh, bias: bool) -> MoE:
+    moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=bias, dtype=torch.float64, ep_mesh=mesh)
+    moe.router.load_state_dict(ref.router.state_dict())
+    load_stacked(moe, **export_stacked(ref))  # every rank keeps only its experts
+    return moe
+
+
+def _check_dtensor_ep(rank, world, counts, offset, bias):
+    from torch.distributed.tensor import DTensor, Shard
+
+    ref = _reference(bias)
+    moe = _ep_moe(ref, _mesh(world), bias)
+    w = moe.experts[0].weight
+    assert isinstance(w, DTensor) and w.placements == (Shard(0),) and w.shape[0] == NUM_EXPERTS
+    assert w.to_local().shape[0] == NUM_EXPERTS // world
+    x_all = _global_tokens(counts)
+    grad_all = torch.randn(x_all.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    ref_x = x_all.clone().requires_grad_()
+    (ref(ref_x) * grad_all).sum().backward()
+    mine = slice(offset, offset + counts[rank])
+    x = x_all[mine].clone().requires_grad_()
+    out = moe(x)
+    (out * grad_all[mine]).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad[mine])
+    for i in (0, 2):
+        for name in ("weight", "bias") if bias else ("weight",):
+            grad = getattr(moe.experts[i], name).grad
+            assert isinstance(grad, DTensor) and grad.placements == (Shard(0),)
+            torch.testing.assert_close(grad.full_tensor(), getattr(ref.experts[i], name).grad)
+    assert moe.experts.last_plan.fusion_plans[0].forward_op_types() == ["GroupedMLP"]
+    # outputs: this rank's rows of the reference
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x_all[mine]), ref(x_all)[mine])
+
+
+def _batch(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(TOKENS, HIDDEN, dtype=torch.float64, generator=gen)
+    x[:, 0] = x[:, 0].abs() + 1.0
+    return x
+
+
+def _train_step(moe, opt, step: int, rank: int, world: int) -> float:
+    """One Adam step on this rank's share of the global batch; returns the global loss."""
+    rows = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
+    loss = moe(_batch(step)[rows]).square().sum()
+    opt.zero_grad()
+    loss.backward()
+    if world > 1:  # the replicated router is data parallel: sum its gradient over the ranks
+        dist.all_reduce(moe.router.weight.grad)
+    opt.step()
+    total = loss.detach().clone()
+    if world > 1:
+        dist.all_reduce(total)
+    return float(total)
+
+
+def _global_weights(moe) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if type(p).__name__ == "DTensor" else p).detach().clone()
+        for name, p in moe.named_parameters()
+    }
+
+
+def _save(rank, world, path):
+    """EP=``world``: one step, a DCP save of model and Adam state, then two more steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    ref = _reference(bias=True)
+    moe = _ep_moe(ref, _mesh(world), bias=True)
+    opt = torch.optim.Adam(moe.parameters(), lr=LR)
+    _train_step(moe, opt, 0, rank, world)
+    model_sd, optim_sd = get_state_dict(moe, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    weights = _global_weights(moe)
+    losses = [_train_step(moe, opt, step, rank, world) for step in (1, 2)]
+    if rank == 0:
+        torch.save({"weights": weights, "losses": losses}, f"{path}/expected.pt")
+
+
+def _load_and_continue(rank, world, path):
+    """Load the EP=2 save at EP=``world`` (1: a plain MoE): weights bit-exact, same next losses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    expected = torch.load(f"{path}/expected.pt")
+    if world == 1:
+        moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=True, dtype=torch.float64)
+    else:
+        moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=True, dtype=torch.float64, ep_mesh=_mesh(world))
+    opt = torch.optim.Adam(moe.parameters(), lr=LR)
+    model_sd, optim_sd = get_state_dict(moe, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(moe, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, value in _global_weights(moe).items():
+        assert torch.equal(value, expected["weights"][name]), name
+    losses = [_train_step(moe, opt, step, rank, world) for step in (1, 2)]
+    for got, want in zip(losses, expected["losses"]):
+        assert abs(got - want) <= 1e-6 * abs(want), (losses, expected["losses"])
+
+
+def _worker(rank: int, world: int, port: int, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        task, payload = args
+        if task == "ep":
+            counts = payload
+            offset = sum(counts[:rank])
+            _check_dtensor_ep(rank, world, counts, offset, bias=False)
+            _check_dtensor_ep(rank, world, counts, offset, bias=True)
+            _check_bad_meshes(world)
+        elif task == "save":
+            _save(rank, world, payload)
+        else:
+            _load_and_continue(rank, world, payload)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_bad_meshes(world: int) -> None:
+    mesh = _mesh(world)
+    with pytest.raises(ValueError, match=r"MoE: num_experts=9 is not divisible by the ep_mesh size"):
+        MoE(HIDDEN, FFN, 9, 2, ep_mesh=mesh)
+    with pytest.raises(ValueError, match=r"MoE: give ep_group or ep_mesh, not both"):
+        MoE(HIDDEN, FFN, NUM_EXPERTS, 2, ep_mesh=mesh, ep_group=dist.group.WORLD)
+    with pytest.raises(
+        ValueError, match=r"MoE: ep_mesh is a 'cpu' mesh but the parameters are made on 'meta'"
+    ):
+        MoE(HIDDEN, FFN, NUM_EXPERTS, 2, ep_mesh=mesh, device="meta")
+    if world == 4:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        two_d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        with pytest.raises(ValueError, match=r"MoE: ep_mesh must be 1-D"):
+            MoE(HIDDEN, FFN, NUM_EXPERTS, 2, ep_mesh=two_d)
+
+
+@pytest.mark.parametrize(
+    "world, counts", [(2, [9, 0]), (4, [3, 0, 7, 1])], ids=["2proc-rank1-empty", "4proc-uneven"]
+)
+def test_ep_mesh_dtensor_experts_match_single_process(world, counts):
+    _spawn(world, ("ep", counts), worker=_worker)
+
+
+def test_dcp_saves_every_expert_and_reloads_at_other_ep_sizes(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ckpt")
+    _spawn(2, ("save", path), worker=_worker)
+    # the metadata holds every expert's rows: global shapes, chunks covering all experts
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key, rows in (("model.experts.0.weight", 2 * FFN), ("model.experts.2.weight", HIDDEN)):
+        entry = metadata[key]
+        assert tuple(entry.size)[:2] == (NUM_EXPERTS, rows), (key, entry.size)
+        covered = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in entry.chunks)
+        assert covered == [(0, NUM_EXPERTS // 2), (NUM_EXPERTS // 2, NUM_EXPERTS)], covered
+    assert tuple(metadata["optim.state.experts.0.weight.exp_avg"].size)[0] == NUM_EXPERTS
+    for world in (1, 2, 4):
+        _spawn(world, ("load", path), worker=_worker)
