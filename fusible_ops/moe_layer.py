@@ -312,6 +312,24 @@ class MoE(nn.Module):
         return out
 
     @torch.no_grad()
+    def scale_expert_gradients(self, factor: float | None = None) -> None:
+        """Multiply the routed experts' gradients by ``factor`` (default ``1 / ep_size``).
+
+        The gradient scaling rule of expert parallelism under data parallelism: an
+        expert's gradient already sums the contributions of its EP group's tokens (the
+        all-to-all brings them), so averaging it over the data-parallel ranks alone (what
+        ``fully_shard`` over the dp mesh does) leaves it ``ep_size`` times the average
+        over all ``dp * ep`` ranks that the replicated parameters get. Call after
+        backward, before the optimizer step (on NCCL, ``set_gradient_divide_factor(dp *
+        ep)`` on the experts' FSDP module does the same inside the reduce-scatter; gloo
+        has no PREMUL_SUM).
+        """
+        factor = 1.0 / self.ep_size if factor is None else factor
+        for p in self.experts.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    @torch.no_grad()
     def update_score_correction_bias(self) -> None:
         """Auxiliary-loss-free balancing step (DeepSeek-V3); call after ``optimizer.step()``.
 

@@ -82,7 +82,7 @@ def _batch(step: int) -> torch.Tensor:
 def _train_step(moe, opt, step: int, rank: int, world: int) -> float:
     """One Adam step on this rank's share of the global batch; returns the global loss."""
     rows = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
-    loss = moe(_batch(step)[rows]).square().sum()
+    loss = moe(_batch(step)[rows].to(moe.router.weight.dtype)).square().sum()
     opt.zero_grad()
     loss.backward()
     if world > 1:  # the replicated router is data parallel: sum its gradient over the ranks
@@ -118,16 +118,16 @@ def _save(rank, world, path):
         torch.save({"weights": weights, "losses": losses}, f"{path}/expected.pt")
 
 
-def _load_and_continue(rank, world, path):
-    """Load the EP=2 save at EP=``world`` (1: a plain MoE): weights bit-exact, same next losses."""
+def _load_and_continue(rank, world, path, dtype=torch.float64):
+    """Load a save at EP=``world`` (1: a plain MoE): weights bit-exact, same next losses."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     expected = torch.load(f"{path}/expected.pt")
     if world == 1:
-        moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=True, dtype=torch.float64)
+        moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=True, dtype=dtype)
     else:
-        moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=True, dtype=torch.float64, ep_mesh=_mesh(world))
+        moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=True, dtype=dtype, ep_mesh=_mesh(world))
     opt = torch.optim.Adam(moe.parameters(), lr=LR)
     model_sd, optim_sd = get_state_dict(moe, opt)
     state = {"model": model_sd, "optim": optim_sd}
@@ -153,8 +153,12 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             _check_bad_meshes(world)
         elif task == "save":
             _save(rank, world, payload)
+        elif task == "fsdp_train":
+            _fsdp_train_and_save(rank, world, payload)
         else:
-            _load_and_continue(rank, world, payload)
+            _load_and_continue(
+                rank, world, payload, torch.float32 if task == "load_float32" else torch.float64
+            )
     finally:
         dist.destroy_process_group()
 
@@ -199,3 +203,79 @@ def test_dcp_saves_every_expert_and_reloads_at_other_ep_sizes(tmp_path):
     assert tuple(metadata["optim.state.experts.0.weight.exp_avg"].size)[0] == NUM_EXPERTS
     for world in (1, 2, 4):
         _spawn(world, ("load", path), worker=_worker)
+
+
+# ---------------------------------------------------------------- EP=2 x FSDP2=2 (dp2ep)
+
+
+def _dp2ep(ref: MoE):
+    """4 ranks: experts sharded over ep (DTensor) and FSDP over dp, the rest FSDP over dp x ep."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    moe = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=True, ep_mesh=world_mesh["ep"])
+    moe.router.load_state_dict(ref.router.state_dict())
+    load_stacked(moe, **export_stacked(ref))
+    fully_shard(moe.experts, mesh=world_mesh["dp"])
+    fully_shard(moe, mesh=world_mesh["dp", "ep"]._flatten("dp_ep"))
+    return moe
+
+
+def _fsdp_step(moe, opt, step: int, rank: int, world: int, expected_grads: dict | None = None) -> float:
+    """As _train_step (a sum loss over the global batch), with FSDP's averaging undone:
+    x world for every gradient, then the expert rule (x 1 / ep); the global gradients are
+    compared with ``expected_grads`` before the step."""
+    rows = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
+    loss = moe(_batch(step)[rows].float()).square().sum()
+    opt.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.grad.mul_(world)
+    moe.scale_expert_gradients()
+    for name, p in (expected_grads and moe.named_parameters()) or ():
+        grad, want = p.grad.full_tensor(), expected_grads[name]
+        assert float((grad - want).abs().max() / want.abs().max()) <= 1e-5, name
+    opt.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return float(total)
+
+
+def _fsdp_train_and_save(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    ref = _reference(bias=True).float()
+    moe = _dp2ep(ref)
+    weight = moe.experts[0].weight
+    # FSDP2 over dp on top of Shard(0) over ep: (_StridedShard(0), Shard(0)), which DCP reads
+    assert weight.device_mesh.ndim == 2 and all(p.dim == 0 for p in weight.placements), weight.placements
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
+    opt = torch.optim.Adam(moe.parameters(), lr=LR)
+    for step in range(3):
+        ref_loss = _train_step(ref, ref_opt, step, 0, 1)
+        ref_grads = {name: p.grad.clone() for name, p in ref.named_parameters()}
+        loss = _fsdp_step(moe, opt, step, rank, world, ref_grads)
+        assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (step, loss, ref_loss)
+        assert moe.experts.last_plan.fusion_plans[0].forward_op_types() == ["GroupedMLP"]
+        if step == 0:
+            model_sd, optim_sd = get_state_dict(moe, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            weights = _global_weights(moe)
+            later = []
+        else:
+            later.append(loss)
+    for name, value in _global_weights(moe).items():
+        want = dict(ref.named_parameters())[name].detach()
+        assert float((value - want).abs().max() / want.abs().max()) <= 1e-6, name
+    if rank == 0:
+        torch.save({"weights": weights, "losses": later}, f"{path}/expected.pt")
+
+
+def test_dp2ep_fsdp2_training_equals_one_process_and_its_checkpoint_reloads(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _spawn(4, ("fsdp_train", path), worker=_worker)
+    for world in (1, 2):  # EP=1, and EP=2 without FSDP
+        _spawn(world, ("load_float32", path), worker=_worker)

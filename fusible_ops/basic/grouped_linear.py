@@ -39,10 +39,12 @@ WEIGHT_LAYOUTS = ("out_in", "in_out")
 
 
 def is_group_sharded(tensor: object) -> bool:
-    """A DTensor split over ranks along the group dim only (every placement ``Shard(0)``)."""
-    if type(tensor).__name__ != "DTensor":
+    """A DTensor split over ranks along the group dim only (every placement ``Shard(0)``, or
+    FSDP2's ``_StridedShard(0)`` over an expert-parallel one)."""
+    placements = getattr(tensor, "placements", None) if type(tensor).__name__ == "DTensor" else None
+    if not placements:
         return False
-    return all(getattr(p, "dim", None) == 0 and p.is_shard() for p in tensor.placements)
+    return all(type(p).__name__ in ("Shard", "_StridedShard") and p.dim == 0 for p in placements)
 
 
 def local_groups(tensor: torch.Tensor | None) -> torch.Tensor | None:
