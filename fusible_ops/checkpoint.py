@@ -208,7 +208,7 @@ def _read(target: nn.Module) -> _Experts:
     if b1 is not None:
         gate_b, up_b = split_gate_linear(b1, _interleave_of(experts))
     return _Experts(
-        gate.transpose(-1, -2), up.transpose(-1, -2), fc2.weight_out_in().detach(), gate_b, up_b, b2
+        gate.transpose(-1, -2), up.transpose(-1, -2), _local_out_in(fc2).detach(), gate_b, up_b, b2
     )
 
 

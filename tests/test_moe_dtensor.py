@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from test_moe_ep import FFN, HIDDEN, NUM_EXPERTS, _global_tokens, _init_weights, _spawn
 
-from fusible_ops.checkpoint import export_stacked, load_stacked
+from fusible_ops.checkpoint import export_grouped_keys, export_stacked, load_grouped_keys, load_stacked
 from fusible_ops.moe_layer import MoE
 
 pytestmark = pytest.mark.skipif(
@@ -67,6 +67,16 @@ def _check_dtensor_ep(rank, world, counts, offset, bias):
             assert isinstance(grad, DTensor) and grad.placements == (Shard(0),)
             torch.testing.assert_close(grad.full_tensor(), getattr(ref.experts[i], name).grad)
     assert moe.experts.last_plan.fusion_plans[0].forward_op_types() == ["GroupedMLP"]
+    # checkpoint helpers on DTensor experts: a gathered export is the global experts, once
+    global_weights = export_stacked(ref)
+    gathered = export_stacked(moe, gather=True)
+    assert gathered.keys() == global_weights.keys()
+    assert all(torch.equal(gathered[k], global_weights[k]) for k in gathered)
+    grouped = export_grouped_keys(ref)  # per-group keys by global id: each rank reads its own
+    other = MoE(HIDDEN, FFN, NUM_EXPERTS, 2, bias=bias, dtype=torch.float64, ep_mesh=_mesh(world))
+    load_grouped_keys(other, grouped)
+    for i in (0, 2):
+        torch.testing.assert_close(other.experts[i].weight.full_tensor(), ref.experts[i].weight)
     # outputs: this rank's rows of the reference
     with torch.no_grad():
         torch.testing.assert_close(moe(x_all[mine]), ref(x_all)[mine])
