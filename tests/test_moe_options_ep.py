@@ -14,6 +14,8 @@ import torch.distributed as dist
 from test_moe_ep import _spawn
 from test_moe_options import MODELS, make_moe
 
+from fusible_ops.basic.grouped_linear import local_groups
+
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="torch.distributed with gloo is not available",
@@ -34,7 +36,7 @@ def _copy_weights(dst, src, local: slice) -> None:
     with torch.no_grad():
         for name, p in dst.named_parameters():
             value = dict(src.named_parameters())[name]
-            p.copy_(value[local] if name.startswith("experts.") else value)
+            local_groups(p).copy_(value[local] if name.startswith("experts.") else value)
         if src.score_correction_bias is not None:
             dst.score_correction_bias.copy_(src.score_correction_bias)
 
@@ -52,13 +54,19 @@ def _summed(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _check_ep(rank: int, cfg: dict, *, local_reference: bool) -> None:
-    """EP=2 equals one process: on all tokens, or (capacity is per rank) on this rank's tokens."""
+def _check_ep(rank: int, cfg: dict, *, local_reference: bool, mesh: bool = False) -> None:
+    """EP=2 equals one process: on all tokens, or (capacity is per rank) on this rank's tokens;
+    with ``mesh`` the experts are DTensors on an ``ep_mesh``."""
     x_all = _tokens()
     grad_all = torch.randn(x_all.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     mine = slice(sum(COUNTS[:rank]), sum(COUNTS[: rank + 1]))
     ref = make_moe(cfg)
-    ep_moe = make_moe(cfg, ep_group=dist.group.WORLD)
+    if mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ep_moe = make_moe(cfg, ep_mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))["ep"])
+    else:
+        ep_moe = make_moe(cfg, ep_group=dist.group.WORLD)
     local = slice(ep_moe.ep_rank * ep_moe.num_local_experts, (ep_moe.ep_rank + 1) * ep_moe.num_local_experts)
     _copy_weights(ep_moe, ref, local)
     ref_x, ref_grad = (x_all[mine], grad_all[mine]) if local_reference else (x_all, grad_all)
@@ -73,7 +81,7 @@ def _check_ep(rank: int, cfg: dict, *, local_reference: bool) -> None:
         if name.startswith("experts."):
             if local_reference:  # this rank's experts also computed the other rank's rows
                 continue
-            got, expected = p.grad, expected[local]
+            got, expected = local_groups(p.grad), expected[local]
         else:
             got = p.grad if local_reference else _summed(p.grad)
         torch.testing.assert_close(got, expected, msg=lambda m, n=name: f"{cfg}: {n}: {m}")
@@ -112,6 +120,7 @@ def _worker(rank: int, world: int, port: int, counts: list[int]) -> None:
     try:
         for model in ("deepseek_v3", "gpt_oss", "qwen2_moe", "mixtral"):
             _check_ep(rank, MODELS[model], local_reference=False)
+            _check_ep(rank, MODELS[model], local_reference=False, mesh=True)
         _check_ep(rank, MODELS["capacity"], local_reference=True)
         _check_balance_group(rank)
     finally:
