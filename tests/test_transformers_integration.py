@@ -251,7 +251,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     model.set_experts_implementation("eager")
     _, loss, grads = _run(model, ids)
     model.set_experts_implementation("fusible_ops")
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model.train()
     _, fo_loss, fo_grads = _run(model, ids)
     assert abs(float(fo_loss - loss)) < 1e-9 * float(loss)
