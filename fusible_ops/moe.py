@@ -243,7 +243,9 @@ class _Combine(torch.autograd.Function):
         # The target travels in a list so autograd does not treat it as an input: the
         # caller's buffer must stay a plain tensor (no grad_fn), only the view we return
         # joins the graph.
-        out = out_holder[0][:num_tokens]
+        target, owned = out_holder
+        # our own allocation is returned whole (not a view: the caller may modify it in place)
+        out = target if owned else target[:num_tokens]
         src = rows if probs is None else rows * probs.to(rows.dtype).unsqueeze(-1)
         index = torch.where(token_index < 0, num_tokens, token_index) if may_drop else token_index
         low_precision = rows.dtype in (torch.float16, torch.bfloat16)
@@ -321,7 +323,7 @@ def unpermute(
             op_name="unpermute",
             no_overlap=[t for t in (rows, probs) if t is not None],
         )
-    return _Combine.apply(rows, probs, token_index.long(), num_tokens, [target], may_drop)
+    return _Combine.apply(rows, probs, token_index.long(), num_tokens, [target, out is None], may_drop)
 
 
 def _check_token_range(token_index: torch.Tensor, num_tokens: int) -> bool:

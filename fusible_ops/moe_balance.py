@@ -99,7 +99,8 @@ class AttachLoss(torch.autograd.Function):
     """Return ``output`` unchanged; its backward also starts ``loss``'s backward with gradient 1.
 
     So that a scaled auxiliary loss reaches the router without the user adding it to the
-    training loss (as Megatron's and DeepSeek's reference code do).
+    training loss (as Megatron's and DeepSeek's reference code do). The result is a view
+    of ``output``: attach to a tensor nobody modifies in place (the routing weights).
     """
 
     @staticmethod

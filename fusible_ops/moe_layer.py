@@ -239,14 +239,15 @@ class MoE(nn.Module):
                 torch.where(dropped, expert_ids, self.num_experts), self.num_experts
             )
 
-        out = self._routed_experts(tokens, expert_ids, routing.weights, dropped)
+        weights = routing.weights
+        if self.training:
+            weights = self._balance(weights, logits, routing, load, x.shape)
+        out = self._routed_experts(tokens, expert_ids, weights, dropped)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_expert_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
             out = out + shared
-        if self.training:
-            out = self._balance(out, logits, routing, load, x.shape)
         return out.reshape(x.shape)
 
     def _routed_experts(
@@ -281,8 +282,12 @@ class MoE(nn.Module):
             return rows, splits, splits, probs
         return rows, splits, probs, splits  # GroupedLinear, scaled act, GroupedLinear
 
-    def _balance(self, out: torch.Tensor, logits, routing, load: torch.Tensor, input_shape) -> torch.Tensor:
-        """Record the balancing statistics and losses; attach the scaled losses to ``out``'s backward."""
+    def _balance(
+        self, weights: torch.Tensor, logits, routing, load: torch.Tensor, input_shape
+    ) -> torch.Tensor:
+        """Record the balancing statistics and losses; attach the scaled losses to the backward
+        of the routing ``weights`` (Megatron's place: the layer's output stays an ordinary
+        tensor that may be modified in place)."""
         group, mode = self.balance_group, self.load_balancing
         losses, scaled = {}, []
         if mode == "aux_loss":
@@ -308,8 +313,8 @@ class MoE(nn.Module):
         if self.aux_loss_in_backward and scaled and torch.is_grad_enabled():
             total = sum(scaled[1:], scaled[0])
             if total.requires_grad:
-                out = balance.AttachLoss.apply(out, total)
-        return out
+                weights = balance.AttachLoss.apply(weights, total)
+        return weights
 
     @torch.no_grad()
     def scale_expert_gradients(self, factor: float | None = None) -> None:

@@ -500,3 +500,20 @@ def test_moe_input_dtype_must_match_its_parameters():
         moe(torch.randn(2, 3, 8, dtype=torch.float64))
     assert all(torch.equal(state[k], v) for k, v in moe.state_dict().items())
     assert moe(torch.randn(2, 3, 8)).shape == (2, 3, 8)  # the next valid call works
+
+
+def test_unpermute_result_may_be_modified_in_place():
+    """Without a caller buffer the result is a fresh tensor, not a view: ``out += residual`` works."""
+    rows = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    token_index = torch.tensor([0, 1, 2, 0, -1, 2])
+    out = unpermute(rows, token_index, 3)
+    out.mul_(2.0)
+    out.sum().backward()
+    expected = torch.full((6, 4), 2.0, dtype=torch.float64)
+    expected[4] = 0.0  # the dropped row
+    torch.testing.assert_close(rows.grad, expected)
+    moe = MoE(4, 3, 4, 2, dtype=torch.float64)
+    y = moe(torch.randn(5, 4, dtype=torch.float64))
+    y += 1.0  # a residual added in place
+    y.sum().backward()
+    assert moe.router.weight.grad is not None

@@ -292,6 +292,19 @@ def test_balancing_losses_equal_their_formulas_and_reach_the_router(mode, score)
     torch.testing.assert_close(moe.router.weight.grad, rw.grad, rtol=1e-9, atol=1e-12)
 
 
+def test_output_with_attached_losses_may_be_modified_in_place():
+    """The losses ride on the routing weights' backward: the output is an ordinary tensor."""
+    cfg = dict(num_experts=4, top_k=2)
+    moe = make_moe(cfg, load_balancing="aux_loss", aux_loss_coeff=0.5, z_loss_coeff=0.1)
+    plain = make_moe(cfg, load_balancing="aux_loss", aux_loss_coeff=0.5, z_loss_coeff=0.1)
+    x = tokens()
+    out = moe(x)
+    out.add_(1.0)  # e.g. a residual added in place
+    out.sum().backward()
+    plain(x).sum().backward()
+    torch.testing.assert_close(moe.router.weight.grad, plain.router.weight.grad)
+
+
 def test_aux_loss_in_backward_false_leaves_the_router_gradient_to_the_user():
     cfg = dict(num_experts=4, top_k=2)
     on = make_moe(cfg, load_balancing="aux_loss", aux_loss_coeff=0.5)
