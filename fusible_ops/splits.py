@@ -48,8 +48,10 @@ class _LastSplits:
         self.infos: dict[torch.device, SplitInfo] = {}
 
     def values_of(self, tensor: torch.Tensor) -> list[int]:
-        if tensor is not self.tensor or tensor._version != self.version:
-            self.tensor, self.version = tensor, tensor._version
+        # inference tensors track no version: never reuse what was read from one
+        version = None if tensor.is_inference() else tensor._version
+        if tensor is not self.tensor or version is None or version != self.version:
+            self.tensor, self.version = tensor, version
             self.values = [int(v) for v in tensor.tolist()]
             self.checked, self.infos = set(), {}
         return self.values

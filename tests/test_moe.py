@@ -517,3 +517,17 @@ def test_unpermute_result_may_be_modified_in_place():
     y += 1.0  # a residual added in place
     y.sum().backward()
     assert moe.router.weight.grad is not None
+
+
+def test_moe_runs_under_inference_mode():
+    """Split sizes made under inference_mode carry no version counter: read, never cached."""
+    torch.manual_seed(0)
+    moe = MoE(4, 3, 4, 2, dtype=torch.float64)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    with torch.no_grad():
+        expected = moe(x)
+    with torch.inference_mode():
+        got = moe(x)
+        again = moe(x[:5])  # another token count: nothing stale reused
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(again, expected[:5])

@@ -257,3 +257,15 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert abs(float(fo_loss - loss)) < 1e-9 * float(loss)
     for name, grad in grads.items():
         assert _rel(fo_grads[name], grad) < 1e-9, name
+
+
+def test_inference_mode_forward_equals_eager():
+    model = _model("mixtral", torch.float32)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(6))
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        expected = model(ids).logits
+    model.set_experts_implementation("fusible_ops")
+    with torch.inference_mode():
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
