@@ -8,6 +8,7 @@
 #   triton_tests.log          tests/test_triton_backend.py compiled on the GPU (bf16, fp16,
 #                             no-host-sync, CUDA graph, autotune cache) and tests/test_compile_cuda.py
 #                             (torch.compile with device split sizes: no sync, CUDA graph capture)
+#                             and tests/test_weight_layout_cuda.py (in_out weights, GPT-OSS block)
 #   info.log                  python -m fusible_ops info
 #   bench_default.log/.json   bench at the default shape, fused path forced to backend "triton"
 #   bench_large.log/.json     bench at 8 experts, hidden 4096, ffn 14336, 32768 rows
@@ -66,7 +67,7 @@ EOF
 cat "$OUT_DIR/env.txt"
 
 step triton_tests 240 python -m pytest -q -p no:cacheprovider -rs tests/test_triton_backend.py \
-    tests/test_compile_cuda.py
+    tests/test_compile_cuda.py tests/test_weight_layout_cuda.py
 step info 60 python -m fusible_ops info
 
 # The bench's fused and unfused variants run with the backend forced to "triton"
