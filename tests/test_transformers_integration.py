@@ -269,3 +269,20 @@ def test_inference_mode_forward_equals_eager():
     with torch.inference_mode():
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_hf_model_with_fusible_experts_has_no_graph_break():
+    model = _model("mixtral", torch.float32)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(7))
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        expected = model(ids).logits
+    model.set_experts_implementation("fusible_ops")
+    assert fot.prepare(model) == 2  # both layers' experts, built before tracing
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(ids)
+    assert explanation.graph_break_count == 0, [str(r.reason) for r in explanation.break_reasons]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="aot_eager")(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

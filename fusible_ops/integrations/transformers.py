@@ -145,6 +145,30 @@ def _key(module: nn.Module) -> tuple:
     )
 
 
+def prepare(model: nn.Module) -> int:
+    """Build the ops of every experts module in ``model`` now; returns how many run on fusible-ops.
+
+    The first call of an experts module builds its ops, which creates modules: under
+    ``torch.compile`` that is a graph break. Call this once before compiling (after
+    loading) and the compiled model traces the experts as one graph with the rest.
+    """
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "has_gate") and hasattr(module, "down_proj"):
+            built = _ops_for(module)
+            count += built.ops is not None
+    return count
+
+
+def _ops_for(module: nn.Module) -> _Built:
+    """The cached ops of ``module``, built (or the fallback reason found) when missing or stale."""
+    built = _OPS.get(module)
+    if built is None or built.key != _key(module):  # first call, or parameters replaced
+        reason = unsupported_reason(module)
+        built = _OPS[module] = _build(module) if reason is None else _Built(_key(module), None, False, reason)
+    return built
+
+
 def cached_ops(module: nn.Module) -> Sequential | None:
     """The fusible-ops Sequential that runs ``module`` (built on its first call), or None."""
     built = _OPS.get(module)
@@ -173,10 +197,7 @@ def experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """The registered experts implementation: ``[T, H]`` tokens, ``[T, k]`` expert ids and weights."""
-    built = _OPS.get(self)
-    if built is None or built.key != _key(self):  # first call, or parameters replaced
-        reason = unsupported_reason(self)
-        built = _OPS[self] = _build(self) if reason is None else _Built(_key(self), None, False, reason)
+    built = _ops_for(self)
     if built.ops is None:
         if type(self) not in _WARNED:
             _WARNED.add(type(self))
