@@ -63,7 +63,7 @@ def seq_aux_loss(
     ``sum_e (E / (k S)) * count_e * mean_t scores[t, e]`` (1.0 when balanced).
     """
     batch, seq, num_experts = scores.shape
-    flat = expert_ids.reshape(batch, -1).long()
+    flat = expert_ids.reshape(batch, seq * expert_ids.shape[-1]).long()
     counts = torch.zeros(batch, num_experts + 1, dtype=scores.dtype, device=scores.device)
     counts.scatter_add_(1, flat.clamp(max=num_experts), torch.ones_like(flat, dtype=scores.dtype))
     f = counts[:, :num_experts] * (num_experts / (top_k * max(seq, 1)))

@@ -297,8 +297,8 @@ class MoE(nn.Module):
         elif mode == "seq_aux_loss":
             batch, seq = _sequences(input_shape)
             losses["load_balancing"] = balance.seq_aux_loss(
-                routing.normalized_scores.reshape(batch, seq, -1),
-                routing.expert_ids.reshape(batch, seq, -1),
+                routing.normalized_scores.reshape(batch, seq, self.num_experts),
+                routing.expert_ids.reshape(batch, seq, self.top_k),
                 self.top_k,
                 group,
             )

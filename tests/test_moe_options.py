@@ -500,3 +500,17 @@ def test_options_compile_fullgraph_and_match_eager(model):
         torch.testing.assert_close(p.grad, eager_grads[name], msg=lambda m, n=name: f"{n}: {m}")
     for name, value in eager_losses.items():
         torch.testing.assert_close(moe.aux_losses[name], value)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_zero_tokens_with_every_balancing_mode(model):
+    """No token at all (2-D, and 3-D with no sequence or no batch): empty output, finite losses."""
+    for mode in ("none", "aux_loss", "seq_aux_loss", "aux_free"):
+        moe = make_moe(MODELS[model], load_balancing=mode, z_loss_coeff=0.1)
+        for shape in ((0, H), (2, 0, H), (0, 3, H)):
+            x = torch.zeros(*shape, dtype=torch.float64, requires_grad=True)
+            out = moe(x)
+            out.sum().backward()
+            assert out.shape == shape and x.grad.shape == shape
+            assert all(torch.isfinite(v) for v in moe.aux_losses.values()), (mode, shape, moe.aux_losses)
+            assert int(moe.last_expert_load.sum()) == 0
