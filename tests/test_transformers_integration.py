@@ -259,25 +259,26 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         assert _rel(fo_grads[name], grad) < 1e-9, name
 
 
-def test_inference_mode_forward_equals_eager():
+def _eager_logits_then_fusible(seed: int):
+    """A float32 tiny Mixtral, prompt ids, and HF eager's logits; the model left on fusible_ops."""
     model = _model("mixtral", torch.float32)
-    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(seed))
     model.set_experts_implementation("eager")
     with torch.no_grad():
         expected = model(ids).logits
     model.set_experts_implementation("fusible_ops")
+    return model, ids, expected
+
+
+def test_inference_mode_forward_equals_eager():
+    model, ids, expected = _eager_logits_then_fusible(6)
     with torch.inference_mode():
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_hf_model_with_fusible_experts_has_no_graph_break():
-    model = _model("mixtral", torch.float32)
-    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(7))
-    model.set_experts_implementation("eager")
-    with torch.no_grad():
-        expected = model(ids).logits
-    model.set_experts_implementation("fusible_ops")
+    model, ids, expected = _eager_logits_then_fusible(7)
     assert fot.prepare(model) == 2  # both layers' experts, built before tracing
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(model)(ids)
