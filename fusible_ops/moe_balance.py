@@ -39,16 +39,17 @@ def global_sum(value: torch.Tensor, group: object | None) -> torch.Tensor:
 
 
 def aux_loss(
-    scores: torch.Tensor, expert_ids: torch.Tensor, top_k: int, group: object | None = None
+    scores: torch.Tensor, load: torch.Tensor, top_k: int, group: object | None = None
 ) -> torch.Tensor:
     """Switch/GShard balancing loss ``E * sum_e f_e * P_e / k`` over all tokens.
 
-    ``f_e``: the fraction of tokens that chose expert ``e`` (summing to ``k``), ``P_e``: the
-    mean score of ``e``. Perfectly balanced routing gives 1.0 (some libraries report ``k``
-    times this). Differentiable w.r.t. ``scores`` only.
+    ``load``: :func:`expert_load` of the routing. ``f_e``: the fraction of tokens that
+    chose expert ``e`` (summing to ``k``), ``P_e``: the mean score of ``e``. Perfectly
+    balanced routing gives 1.0 (some libraries report ``k`` times this). Differentiable
+    w.r.t. ``scores`` only.
     """
     num_experts = scores.shape[-1]
-    counts = global_sum(expert_load(expert_ids, num_experts).to(scores.dtype), group)
+    counts = global_sum(load.to(scores.dtype), group)
     score_sums = global_sum(scores.sum(0), group)
     tokens = global_sum(scores.new_tensor(float(scores.shape[0])), group).clamp_min(1.0)
     return num_experts / top_k * (counts / tokens * score_sums / tokens).sum()

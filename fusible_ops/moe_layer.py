@@ -291,9 +291,7 @@ class MoE(nn.Module):
         group, mode = self.balance_group, self.load_balancing
         losses, scaled = {}, []
         if mode == "aux_loss":
-            losses["load_balancing"] = balance.aux_loss(
-                routing.normalized_scores, routing.expert_ids, self.top_k, group
-            )
+            losses["load_balancing"] = balance.aux_loss(routing.normalized_scores, load, self.top_k, group)
         elif mode == "seq_aux_loss":
             batch, seq = _sequences(input_shape)
             losses["load_balancing"] = balance.seq_aux_loss(
