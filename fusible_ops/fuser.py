@@ -13,6 +13,7 @@ from .buffers import GRAD_BUFFER_WRITES, GRAD_INPUT_BUFFER_KEY, call_buffers, ch
 from .dtypes import compute_dtype
 from .fuser_function import CallState, FuserFunction, dedupe_args, run_forward
 from .fuser_hooks import HookedSegments, decision_in_sequential
+from .fuser_signature import PreparedCall, PreparedCalls, autocast_state, call_signature
 from .fusion_rules import (
     FusionContext,
     checked_plan,
@@ -20,7 +21,7 @@ from .fusion_rules import (
     registered_rules,
     registry_version,
 )
-from .op import BasicOperation, OperationContext, TensorMeta
+from .op import BasicOperation, OperationContext, TensorMeta, preflight_is_static
 from .plan import FusionPlan, PlanEntry
 from .settings import current_settings
 from .splits import start_call
@@ -32,12 +33,6 @@ def _is_dtensor(tensor: Any) -> bool:
     return type(tensor).__name__ == "DTensor"
 
 
-def _autocast_state(device: torch.device) -> tuple:
-    if torch.is_autocast_enabled(device.type):
-        return (True, torch.get_autocast_dtype(device.type))
-    return (False, None)
-
-
 def _check_dense(op_name: str, what: str, tensor: torch.Tensor) -> None:
     """Sparse and meta tensors have no dense data for the kernels: a clear error, not a raw one."""
     if tensor.layout != torch.strided:
@@ -46,6 +41,11 @@ def _check_dense(op_name: str, what: str, tensor: torch.Tensor) -> None:
         )
     if tensor.is_meta:
         raise ValueError(f"{op_name}: {what} is a meta tensor (shape only, no data); the op needs real data")
+
+
+def _has_hooks(op: BasicOperation) -> bool:
+    """What :meth:`BasicOperation.hook_reason` looks at, without building the reason."""
+    return bool(op._forward_pre_hooks or op._forward_hooks or op._backward_hooks or op._backward_pre_hooks)
 
 
 class OperationFuser(HookedSegments):
@@ -68,6 +68,12 @@ class OperationFuser(HookedSegments):
         self._segments: dict[tuple[bool, ...], list] = {}
         self._thread_plans: threading.local | None = None
         self._traced_plan: FusionPlan | None = None
+        self._prepared = PreparedCalls()
+        self._extra_counts = [op.num_extra_inputs for op in self.ops]
+        #: extra inputs a call takes, all ops together
+        self.num_extra_inputs = sum(self._extra_counts)
+        #: whether every op's preflight is static (see preflight_is_static); None: not known yet
+        self._static: bool | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -118,11 +124,19 @@ class OperationFuser(HookedSegments):
         return type(error)(f"{error} ({'; '.join(notes)})") if notes else error
 
     def _preflight_ops(
-        self, meta: TensorMeta, extra_inputs: list[tuple], kwargs: list[dict], guard: list[torch.Tensor]
+        self,
+        meta: TensorMeta,
+        extra_inputs: list[tuple],
+        kwargs: list[dict],
+        guard: list[torch.Tensor],
+        input_metas: list[TensorMeta] | None = None,
     ) -> TensorMeta:
-        """Each op's checks in order; returns the output meta. Also refuses buffers that
-        overlap each other (the Sequential checks the whole call, see check_call_buffers)."""
+        """Each op's checks in order; returns the output meta (and appends each op's input
+        meta to ``input_metas``). Also refuses buffers that overlap each other (the
+        Sequential checks the whole call, see check_call_buffers)."""
         for index, (op, op_extra, op_kwargs) in enumerate(zip(self.ops, extra_inputs, kwargs)):
+            if input_metas is not None:
+                input_metas.append(meta)
             try:
                 op.check_kwargs(op_kwargs)
                 next_meta = op.preflight(meta, op_extra, op_kwargs, guard=guard)
@@ -137,8 +151,13 @@ class OperationFuser(HookedSegments):
     def _param_dicts(self, *, for_kernels: bool = True) -> list[dict[str, torch.Tensor | None]]:
         """Each op's parameter tensors of this call; ``for_kernels`` refuses sharded DTensors."""
         dicts = [op.param_tensors() for op in self.ops]
+        if for_kernels:
+            self._check_kernel_params(dicts)
+        return dicts
+
+    def _check_kernel_params(self, dicts: list[dict[str, torch.Tensor | None]]) -> None:
         for op, params in zip(self.ops, dicts):
-            if op.accepts_dtensor or not for_kernels:
+            if op.accepts_dtensor:
                 continue
             for name, tensor in params.items():
                 if _is_dtensor(tensor):
@@ -147,7 +166,6 @@ class OperationFuser(HookedSegments):
                         "which this op's kernels cannot take; apply fully_shard to the op itself (it then "
                         "runs alone and FSDP unshards it for the call) or to the enclosing Sequential"
                     )
-        return dicts
 
     def _params(self, *, for_kernels: bool = True) -> list[list[torch.Tensor]]:
         return [[t for t in d.values() if t is not None] for d in self._param_dicts(for_kernels=for_kernels)]
@@ -186,7 +204,7 @@ class OperationFuser(HookedSegments):
             settings,
             input_meta.dtype,
             input_meta.device,
-            _autocast_state(input_meta.device),
+            autocast_state(input_meta.device),
             tuple(grad_flags),
             tuple((p.dtype, p.device, type(p)) for op_params in params for p in op_params),
             kwarg_keys,
@@ -245,7 +263,10 @@ class OperationFuser(HookedSegments):
 
     # ------------------------------------------------------------ running
     def split_extra_inputs(self, extra_inputs: Sequence[Any]) -> list[tuple[Any, ...]]:
-        needed = sum(op.num_extra_inputs for op in self.ops)
+        counts = self._extra_counts
+        if len(extra_inputs) == len(counts) and all(n == 1 for n in counts):
+            return [(value,) for value in extra_inputs]
+        needed = sum(counts)
         if len(extra_inputs) != needed:
             detail = ", ".join(f"{op.op_name()} takes {op.num_extra_inputs}" for op in self.ops)
             raise ValueError(f"expected {needed} extra input(s) ({detail}), got {len(extra_inputs)}")
@@ -256,7 +277,12 @@ class OperationFuser(HookedSegments):
         return result
 
     def preflight(
-        self, input_: torch.Tensor, extra_inputs: list[tuple], kwargs: list[dict], params: list[list]
+        self,
+        input_: torch.Tensor,
+        extra_inputs: list[tuple],
+        kwargs: list[dict],
+        params: list[list],
+        input_metas: list[TensorMeta] | None = None,
     ) -> TensorMeta:
         """Validate the whole call before anything is computed or written."""
         if not isinstance(input_, torch.Tensor):
@@ -272,7 +298,7 @@ class OperationFuser(HookedSegments):
         guard.extend(t for op_extra in extra_inputs for t in op_extra if isinstance(t, torch.Tensor))
         guard.extend(p for op_params in params for p in op_params)
         meta = TensorMeta(tuple(input_.shape), input_.dtype, input_.device)
-        return self._preflight_ops(meta, extra_inputs, kwargs, guard)
+        return self._preflight_ops(meta, extra_inputs, kwargs, guard, input_metas)
 
     def _check_not_inference(
         self, input_: torch.Tensor, extra_inputs: list[tuple], params: list[list]
@@ -323,30 +349,102 @@ class OperationFuser(HookedSegments):
         basic_op_kwargs: Sequence[dict[str, Any] | None] | None = None,
     ):
         start_call()
+        keyed = None
+        if (basic_op_kwargs is None or not any(basic_op_kwargs)) and self._may_reuse(extra_inputs):
+            param_dicts = [op.param_tensors() for op in self.ops]
+            keyed = call_signature(self.ops, input_, extra_inputs, param_dicts)
+            prepared = None if keyed is None else self._prepared.get(keyed[0])
+            if prepared is not None:
+                return self._run_prepared(prepared, input_, extra_inputs, keyed[1], param_dicts)
         per_op_extra = self.split_extra_inputs(extra_inputs)
         if basic_op_kwargs is None:
             kwargs = [{} for _ in self.ops]
         else:
             kwargs = [dict(k) if k else {} for k in basic_op_kwargs]
-        hooked = [op.hook_reason() for op in self.ops] if self.honour_hooks else []
-        if any(hooked):
-            return self._call_segmented(input_, per_op_extra, kwargs, hooked)
+        if self.honour_hooks and any(_has_hooks(op) for op in self.ops):
+            return self._call_segmented(input_, per_op_extra, kwargs, [op.hook_reason() for op in self.ops])
         param_dicts = self._param_dicts()
+        if keyed is None:
+            flat_extra = [t for op_extra in per_op_extra for t in op_extra]
+            flat_params = [t for d in param_dicts for t in d.values() if t is not None]
+            unique_args, slots = dedupe_args(flat_extra + flat_params)
+        else:
+            _, unique_args, slots = keyed
+        prepared = self._prepare(input_, per_op_extra, kwargs, param_dicts, slots, len(unique_args))
+        if keyed is not None:
+            self._prepared.put(keyed[0], prepared)
+        return self._run_prepared(
+            prepared, input_, extra_inputs, unique_args, param_dicts, kwargs, checked=True
+        )
+
+    def _may_reuse(self, extra_inputs: tuple) -> bool:
+        """Whether a call without op kwargs may reuse a prepared call (see fuser_signature)."""
+        if torch.compiler.is_compiling():
+            return False  # traced once per graph: the plan is made while tracing
+        if self._static is None:
+            self._static = all(preflight_is_static(op) for op in self.ops)
+        return (
+            self._static
+            and len(extra_inputs) == self.num_extra_inputs
+            and not (self.honour_hooks and any(_has_hooks(op) for op in self.ops))
+        )
+
+    def _run_prepared(
+        self,
+        prepared: PreparedCall,
+        input_: torch.Tensor,
+        extra_inputs: tuple,
+        unique_args: list,
+        param_dicts: list[dict[str, torch.Tensor | None]],
+        kwargs: list[dict] | None = None,
+        *,
+        checked: bool = False,
+    ):
+        """Run a prepared call; ``checked``: its checks ran for this call (else the value checks run)."""
+        if not checked:
+            for index, meta, extra in prepared.value_checks:
+                try:
+                    self.ops[index].check_values(meta, extra_inputs[extra])
+                except (ValueError, TypeError) as error:
+                    raise self._located(error, index, meta) from None
+        self._record_plan(prepared.plan)
+        if prepared.state is not None:
+            return FuserFunction.apply(input_, prepared.state, *unique_args)
+        # nothing needs a gradient: no autograd Function, the plan runs directly
+        if kwargs is None:
+            kwargs = [{} for _ in self.ops]
+        per_op_extra = self.split_extra_inputs(extra_inputs)
+        return self._run_inference(prepared.plan, input_, per_op_extra, kwargs, param_dicts)
+
+    def _prepare(
+        self,
+        input_: torch.Tensor,
+        extra_inputs: list[tuple],
+        kwargs: list[dict],
+        param_dicts: list[dict[str, torch.Tensor | None]],
+        slots: list[int],
+        num_args: int,
+    ) -> PreparedCall:
+        """Every check of the call, its plan and its autograd Function's state."""
         params = [[t for t in d.values() if t is not None] for d in param_dicts]
-        self.preflight(input_, per_op_extra, kwargs, params)
-        grad_flags = self._grad_flags(input_.requires_grad, per_op_extra, params)
+        input_metas: list[TensorMeta] = []
+        self.preflight(input_, extra_inputs, kwargs, params, input_metas)
+        grad_flags = self._grad_flags(input_.requires_grad, extra_inputs, params)
         meta = TensorMeta(tuple(input_.shape), input_.dtype, input_.device)
-        plan = self.plan(meta, per_op_extra, kwargs, grad_flags, params)
-        self._record_plan(plan)
-        flat_extra = [t for op_extra in per_op_extra for t in op_extra]
-        flat_params = [p for op_params in params for p in op_params]
+        plan = self.plan(meta, extra_inputs, kwargs, grad_flags, params)
+        starts = [sum(self._extra_counts[:i]) for i in range(len(self.ops))]
+        value_checks = tuple(
+            (i, input_metas[i], slice(starts[i], starts[i] + op.num_extra_inputs))
+            for i, op in enumerate(self.ops)
+            if type(op).check_values is not BasicOperation.check_values
+        )
         if not any(flag[0] for flag in grad_flags):
-            # nothing needs a gradient: no autograd Function, the plan runs directly
-            return self._run_inference(plan, input_, per_op_extra, kwargs, param_dicts)
-        self._check_not_inference(input_, per_op_extra, params)
-        unique_args, slots = dedupe_args(flat_extra + flat_params)
+            return PreparedCall(plan, None, value_checks)
+        self._check_not_inference(input_, extra_inputs, params)
+        tracing = torch.compiler.is_compiling()
         state = CallState(
-            fuser=self,
+            ops=self.ops,
+            labels=[self.label(i) for i in range(len(self.ops))],
             plan=plan,
             kwargs=kwargs,
             extra_counts=[op.num_extra_inputs for op in self.ops],
@@ -357,17 +455,17 @@ class OperationFuser(HookedSegments):
             ],
             ctx_flags=grad_flags,
             slots=slots,
-            num_args=len(unique_args),
+            num_args=num_args,
             grad_buffers=[]
-            if torch.compiler.is_compiling()
+            if tracing
             else [
                 (i, k[GRAD_INPUT_BUFFER_KEY])
                 for i, k in enumerate(kwargs)
                 if isinstance(k.get(GRAD_INPUT_BUFFER_KEY), torch.Tensor)
             ],
-            forward_time=0 if torch.compiler.is_compiling() else GRAD_BUFFER_WRITES.now(),
+            forward_time=0 if tracing else GRAD_BUFFER_WRITES.now(),
         )
-        return FuserFunction.apply(input_, state, *unique_args)
+        return PreparedCall(plan, state, value_checks)
 
     def _run_inference(
         self,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,15 +19,15 @@ from .op import BasicOperation, OperationContext
 from .op_contract import check_backward_result, check_forward_result
 from .plan import FusionPlan
 
-if TYPE_CHECKING:
-    from .fuser import OperationFuser
-
 
 @dataclass
 class CallState:
     """Non-tensor state handed to the autograd Function for one call (never mutated in it)."""
 
-    fuser: OperationFuser
+    #: the fuser's ops (not the fuser: it keeps this state per call signature)
+    ops: list[BasicOperation]
+    #: each op's label in messages, ``"op 2 (GroupedLinear)"``
+    labels: list[str]
     plan: FusionPlan
     kwargs: list[dict[str, Any]]
     extra_counts: list[int]
@@ -47,6 +47,30 @@ class CallState:
     grad_buffers: list[tuple[int, torch.Tensor]]
     #: when forward ran (see :class:`~fusible_ops.buffers.GradBufferWrites`)
     forward_time: int
+    #: derived once: each op's slice of the flattened extra inputs and of the parameters
+    extra_slices: list[slice] = field(init=False)
+    param_counts: list[int] = field(init=False)
+    param_slices: list[slice] = field(init=False)
+    num_extra: int = field(init=False)
+    num_params: int = field(init=False)
+    #: each op's slice of the flattened extra outputs
+    output_slices: list[slice] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.extra_slices = _slices(self.extra_counts)
+        self.param_counts = [len(names) for names in self.param_names]
+        self.param_slices = _slices(self.param_counts)
+        self.num_extra = sum(self.extra_counts)
+        self.num_params = sum(self.param_counts)
+        self.output_slices = _slices([op.num_extra_outputs for op in self.ops])
+
+
+def _slices(counts: list[int]) -> list[slice]:
+    result, start = [], 0
+    for count in counts:
+        result.append(slice(start, start + count))
+        start += count
+    return result
 
 
 def dedupe_args(values: list[Any]) -> tuple[list[Any], list[int]]:
@@ -102,7 +126,7 @@ def _check_unfrozen(state: CallState, params: list[dict[str, Any]]) -> None:
     Forward saved nothing that parameter's gradient needs, so the gradient cannot be
     computed; silently leaving it unset would train the wrong thing.
     """
-    for op, op_params, flags in zip(state.fuser.ops, params, state.param_requires_grad):
+    for op, op_params, flags in zip(state.ops, params, state.param_requires_grad):
         for name, tensor in op_params.items():
             if tensor is not None and tensor.requires_grad and not flags.get(name, False):
                 raise RuntimeError(
@@ -118,7 +142,7 @@ def _check_grad_buffers(state: CallState) -> None:
     for index, buffer in state.grad_buffers:
         if GRAD_BUFFER_WRITES.written_by_other_since(buffer, state.forward_time, id(state)):
             raise RuntimeError(
-                f"{state.fuser.label(index)}: its grad_input buffer was written by another call's backward "
+                f"{state.labels[index]}: its grad_input buffer was written by another call's backward "
                 "after this call's forward; writing this gradient there would overwrite that one. Give "
                 "each op of a step its own grad_input buffer, or run each backward before the next "
                 "forward that uses the buffer"
@@ -150,11 +174,7 @@ def _adopted_as_grad(input_: torch.Tensor | None, buffer: torch.Tensor | None) -
 
 
 def _split_params(state: CallState, flat: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
-    result, start = [], 0
-    for index, names in enumerate(state.param_names):
-        result.append(_op_params(state, index, flat[start : start + len(names)]))
-        start += len(names)
-    return result
+    return [_op_params(state, index, flat[part]) for index, part in enumerate(state.param_slices)]
 
 
 def run_forward(
@@ -192,28 +212,25 @@ class FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, input_: torch.Tensor, state: CallState, *unique_args: Any):
         flat_args = [unique_args[slot] for slot in state.slots]
-        num_extra = sum(state.extra_counts)
-        extra_flat, flat_params = flat_args[:num_extra], flat_args[num_extra:]
-        extra_inputs, start = [], 0
-        for count in state.extra_counts:
-            extra_inputs.append(tuple(extra_flat[start : start + count]))
-            start += count
+        extra_flat, flat_params = flat_args[: state.num_extra], flat_args[state.num_extra :]
+        extra_inputs = [tuple(extra_flat[part]) for part in state.extra_slices]
 
         ctxs = []
-        for params, (requires_grad, input_requires_grad, params_require_grad) in zip(
-            _split_params(state, flat_params), state.ctx_flags
-        ):
+        for index, (requires_grad, input_requires_grad, params_require_grad) in enumerate(state.ctx_flags):
             ctx = OperationContext()
-            ctx.requires_grad = requires_grad
-            ctx.input_requires_grad = input_requires_grad
-            ctx.params_require_grad = params_require_grad
-            ctx.params = params
-            ctx.param_requires_grad = state.param_requires_grad[len(ctxs)]
-            ctx.grad_input_buffer = state.kwargs[len(ctxs)].get(GRAD_INPUT_BUFFER_KEY)
+            if requires_grad:
+                ctx.requires_grad = True
+                ctx.input_requires_grad = input_requires_grad
+                ctx.params_require_grad = params_require_grad
+                ctx.param_requires_grad = state.param_requires_grad[index]
+            ctx.params = _op_params(state, index, flat_params[state.param_slices[index]])
+            op_kwargs = state.kwargs[index]
+            if op_kwargs:
+                ctx.grad_input_buffer = op_kwargs.get(GRAD_INPUT_BUFFER_KEY)
             ctxs.append(ctx)
 
         x, extra_outputs, input_shapes = run_forward(
-            state.plan, state.fuser.ops, ctxs, input_, extra_inputs, state.kwargs
+            state.plan, state.ops, ctxs, input_, extra_inputs, state.kwargs
         )
 
         if state.plan.requires_grad:
@@ -222,10 +239,10 @@ class FuserFunction(torch.autograd.Function):
             to_save: list[torch.Tensor | None] = list(flat_params)
             layout = []
             for ctx in ctxs:
-                names = tuple(ctx.to_save_named)
+                named = ctx.to_save_named
                 to_save.extend(ctx.to_save)
-                to_save.extend(ctx.to_save_named[name] for name in names)
-                layout.append((len(ctx.to_save), names))
+                to_save.extend(named.values())
+                layout.append((len(ctx.to_save), tuple(named)))
                 ctx.to_save, ctx.to_save_named, ctx.params = (), {}, {}
             func_ctx.save_for_backward(*to_save)
             func_ctx.layout = layout
@@ -247,7 +264,7 @@ class FuserFunction(torch.autograd.Function):
     def backward(func_ctx, grad_output: torch.Tensor, *grad_extra_outputs_flat: torch.Tensor):
         state: CallState = func_ctx.state
         saved = func_ctx.saved_tensors
-        num_params = sum(len(names) for names in state.param_names)
+        num_params = state.num_params
         params = _split_params(state, saved[:num_params])
         if not torch.compiler.is_compiling():
             _check_unfrozen(state, params)
@@ -266,13 +283,8 @@ class FuserFunction(torch.autograd.Function):
             # to x.grad (the buffer), so the buffer ends up holding the accumulated gradient
             ctxs[0].grad_input_buffer = None
 
-        ops = state.fuser.ops
-        grad_extra_outputs, start = [], 0
-        for op in ops:
-            grad_extra_outputs.append(tuple(grad_extra_outputs_flat[start : start + op.num_extra_outputs]))
-            start += op.num_extra_outputs
-
-        param_counts = [len(names) for names in state.param_names]
+        grad_extra_outputs = [tuple(grad_extra_outputs_flat[part]) for part in state.output_slices]
+        param_counts = state.param_counts
         grad_params: list[list[torch.Tensor | None]] = [[None] * n for n in param_counts]
         grad_extra_inputs: list[tuple] = [(None,) * n for n in state.extra_counts]
         grad = grad_output

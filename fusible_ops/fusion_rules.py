@@ -149,6 +149,19 @@ def window_rule(name: str, pattern: Sequence[type | tuple[type, ...]], build: Bu
 _CHEAP_COMPARE_NUMEL = 4096
 
 
+def compares_by_value(value: Any) -> bool:
+    """Whether two such extra inputs count as equal when their values are (cheap to read)."""
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, int) for v in value)
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and not value.is_floating_point()
+        and value.dim() == 1
+        and value.numel() <= _CHEAP_COMPARE_NUMEL
+    )
+
+
 def _extra_input_identity(value: Any, by_value: bool) -> tuple[tuple, str]:
     """A key under which equal extra inputs collide when equality is cheap to see.
 
@@ -157,17 +170,11 @@ def _extra_input_identity(value: Any, by_value: bool) -> tuple[tuple, str]:
     tracing (``by_value=False``) tensors compare by identity only: reading their
     values would be a host read in the graph.
     """
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+    if isinstance(value, (list, tuple)) and compares_by_value(value):
         return ("values", tuple(value)), "list"
     if isinstance(value, torch.Tensor):
         kind = f"{value.device.type} tensor"
-        if (
-            by_value
-            and value.device.type == "cpu"
-            and not value.is_floating_point()
-            and value.dim() == 1
-            and value.numel() <= _CHEAP_COMPARE_NUMEL
-        ):
+        if by_value and compares_by_value(value):
             return ("values", tuple(value.tolist())), kind
         return ("object", value), kind
     return ("object", value), type(value).__name__
@@ -178,13 +185,20 @@ def classify_extra_inputs(
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[str, ...], ...]]:
     by_value = not torch.compiler.is_compiling()
     seen: list[tuple] = []
+    #: (object, its class, its kind) of each distinct object: a value given twice (the same
+    #: split sizes to fc1 and fc2) is classified once
+    objects: list[tuple[Any, int, str]] = []
     classes, kinds = [], []
     for op_inputs in extra_inputs:
         op_classes, op_kinds = [], []
         for value in op_inputs:
-            identity, kind = _extra_input_identity(value, by_value)
-            op_classes.append(_class_of(seen, identity))
-            op_kinds.append(kind)
+            known = next((entry for entry in objects if entry[0] is value), None)
+            if known is None:
+                identity, kind = _extra_input_identity(value, by_value)
+                known = (value, _class_of(seen, identity), kind)
+                objects.append(known)
+            op_classes.append(known[1])
+            op_kinds.append(known[2])
         classes.append(tuple(op_classes))
         kinds.append(tuple(op_kinds))
     return tuple(classes), tuple(kinds)

@@ -70,18 +70,20 @@ class OperationContext:
     what is saved, and the fuser clears it in backward when writing there would be wrong.
     """
 
+    # Immutable defaults live on the class (a context is made per op and call)
+    requires_grad: bool = False
+    input_requires_grad: bool = False
+    params_require_grad: bool = False
+    grad_input_buffer: torch.Tensor | None = None
+    #: the plan entry's backend choice for this op (see BasicOperation.plan_backend)
+    backend_choice: Any = None
+    to_save: tuple[torch.Tensor | None, ...] = ()
+    saved_tensors: tuple[torch.Tensor | None, ...] = ()
+
     def __init__(self) -> None:
-        self.requires_grad = False
-        self.input_requires_grad = False
-        self.params_require_grad = False
         self.params: dict[str, torch.Tensor | None] = {}
         self.param_requires_grad: dict[str, bool] = {}
-        self.grad_input_buffer: torch.Tensor | None = None
-        #: the plan entry's backend choice for this op (see BasicOperation.plan_backend)
-        self.backend_choice: Any = None
-        self.to_save: tuple[torch.Tensor | None, ...] = ()
         self.to_save_named: dict[str, torch.Tensor | None] = {}
-        self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
         self.saved: dict[str, torch.Tensor | None] = {}
 
     def save_for_backward(self, *tensors: torch.Tensor | None, **named: torch.Tensor | None) -> None:
@@ -162,6 +164,12 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
     param_names: tuple[str, ...] | None = None
     #: whether DTensor parameters may reach this op (the tensor-parallel linear ops)
     accepts_dtensor: bool = False
+    #: :meth:`preflight` reads only metadata (shapes, dtypes, devices, which kwargs are
+    #: given) and leaves value checks to :meth:`check_values`: the fuser then runs it once
+    #: per call signature and ``check_values`` on every call. It counts only on the class
+    #: that defines ``preflight`` (see :func:`preflight_is_static`): a subclass overriding
+    #: ``preflight`` is checked on every call unless it says so too.
+    static_preflight: bool = True
 
     # ------------------------------------------------------------ parameters and hooks
     def param_tensors(self) -> dict[str, torch.Tensor | None]:
@@ -178,7 +186,15 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
             parametrized = getattr(self, "parametrizations", None)
             if parametrized is not None:
                 names += tuple(n for n in parametrized if n not in names)
-        return {name: getattr(self, name) for name in names}
+        # what getattr finds, without nn.Module.__getattr__ for a registered parameter
+        # (functional_call puts its tensors in _parameters; a parametrization removes the name)
+        registered = self._parameters
+        return {
+            name: registered[name]
+            if name in registered and name not in self.__dict__
+            else getattr(self, name)
+            for name in names
+        }
 
     def plan_backend(self, device: torch.device, dtype: torch.dtype) -> Any:
         """The kernel backend this op would run with (a ``BackendChoice``), or None.
@@ -220,6 +236,13 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
         caller buffer must not overlap. Raise ``ValueError`` naming the op on bad input.
         """
         return input_meta
+
+    def check_values(self, input_meta: TensorMeta, extra_inputs: tuple[Any, ...]) -> None:
+        """Checks that depend on the values of this call's extra inputs (split sizes).
+
+        Run on every call, also when the call signature's preflight is cached; raise
+        ``ValueError`` naming the op. Ops with a static preflight call it from it.
+        """
 
     def op_name(self) -> str:
         return type(self).__name__
@@ -263,6 +286,19 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
 
         fuser = OperationFuser([self], honour_hooks=False)  # hooks ran in nn.Module.__call__
         return fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs])
+
+
+_STATIC_PREFLIGHT: dict[type, bool] = {}
+
+
+def preflight_is_static(op: BasicOperation) -> bool:
+    """Whether ``op``'s preflight depends on metadata only (cached per class)."""
+    cls = type(op)
+    known = _STATIC_PREFLIGHT.get(cls)
+    if known is None:
+        owner = next(klass for klass in cls.__mro__ if "preflight" in klass.__dict__)
+        known = _STATIC_PREFLIGHT[cls] = bool(owner.__dict__.get("static_preflight", False))
+    return known
 
 
 class FusedOperation(FusibleOperation):

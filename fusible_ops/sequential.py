@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -112,7 +113,7 @@ class Sequential(torch.nn.Module):
         cached = self.__dict__.get("_groups")
         if cached is not None:
             known, groups = cached
-            if len(known) == len(modules) and all(a is b for a, b in zip(known, modules)):
+            if len(known) == len(modules) and all(map(operator.is_, known, modules)):
                 return groups
         groups = []
         run: list[int] = []
@@ -227,6 +228,11 @@ class Sequential(torch.nn.Module):
 
     # ------------------------------------------------------------ running
     def forward(self, input: torch.Tensor, *extra_inputs: Any, op_kwargs: Mapping[Any, Any] | None = None):
+        if op_kwargs is None:
+            groups = self._get_groups()
+            fuser = groups[0][1] if len(groups) == 1 else None
+            if fuser is not None and len(extra_inputs) == fuser.num_extra_inputs:
+                return fuser(input, *extra_inputs)  # one fuser group, nothing to route
         kwargs_by_index = self._resolve_op_kwargs(op_kwargs)
         per_group_extra = self._split_extra_inputs(extra_inputs)
         self._check_buffers(input, extra_inputs, kwargs_by_index)
@@ -236,7 +242,8 @@ class Sequential(torch.nn.Module):
             if fuser is None:
                 x = self._modules[str(indices[0])](x)
                 continue
-            result = fuser(x, *group_extra, basic_op_kwargs=[kwargs_by_index.get(i) for i in indices])
+            group_kwargs = [kwargs_by_index.get(i) for i in indices] if kwargs_by_index else None
+            result = fuser(x, *group_extra, basic_op_kwargs=group_kwargs)
             if isinstance(result, tuple):
                 x, *outs = result
                 extra_outputs.extend(outs)

@@ -40,6 +40,8 @@ class Activation(BasicOperation):
             return ""
         return f"glu_interleave_size={self.spec.glu_interleave_size}"
 
+    static_preflight = True  # value checks, if any, are in check_values
+
     def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
         return check_activation_input(self.op_name(), self.spec, input_meta)
 

@@ -12,6 +12,8 @@ class AddExtraInput(BasicOperation):
 
     num_extra_inputs = 1
 
+    static_preflight = True  # value checks, if any, are in check_values
+
     def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
         extra = extra_inputs[0]
         if not isinstance(extra, torch.Tensor) or tuple(extra.shape) != tuple(input_meta.shape):

@@ -121,7 +121,11 @@ class GroupedLinear(BasicOperation):
         """As the base class, with expert-sharded DTensors (every placement ``Shard(0)``, as
         ``fo.MoE(ep_mesh=...)`` makes them) as their local shards: the kernels compute on
         this rank's groups, and ``to_local``'s backward turns the gradients back into DTensors."""
-        return {name: local_groups(t) for name, t in super().param_tensors().items()}
+        params = super().param_tensors()
+        for name, tensor in params.items():
+            if type(tensor).__name__ == "DTensor":
+                params[name] = local_groups(tensor)
+        return params
 
     def weight_out_in(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``weight`` (by default the parameter) as ``[G, N, K]``: itself, or a transposed view."""
@@ -163,12 +167,13 @@ class GroupedLinear(BasicOperation):
         forced = current_settings().backend
         return select_backend(device, dtype, purpose="gemm", forced=forced, features=features)
 
+    static_preflight = True  # value checks, if any, are in check_values
+
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         name = self.op_name()
         check_float_input(name, input_meta, self.weight, self.in_features)
         dtype = compute_dtype(input_meta.dtype, input_meta.device)
-        rows = math.prod(input_meta.shape[:-1])
-        check_split_sizes(name, extra_inputs[0], self.num_groups, rows)
+        self.check_values(input_meta, extra_inputs)
         out_shape = (*input_meta.shape[:-1], self.out_features)
         for key, shape in ((OUTPUT_BUFFER_KEY, out_shape), (GRAD_INPUT_BUFFER_KEY, input_meta.shape)):
             buffer = kwargs.get(key)
@@ -177,6 +182,10 @@ class GroupedLinear(BasicOperation):
                     buffer, shape, dtype, input_meta.device, op_name=name, key=key, no_overlap=guard
                 )
         return TensorMeta(out_shape, dtype, input_meta.device)
+
+    def check_values(self, input_meta: TensorMeta, extra_inputs) -> None:
+        rows = math.prod(input_meta.shape[:-1])
+        check_split_sizes(self.op_name(), extra_inputs[0], self.num_groups, rows)
 
     # ------------------------------------------------------------ math
     def op_forward(

@@ -40,6 +40,8 @@ class BasicLinear(BasicOperation):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
+    static_preflight = True  # value checks, if any, are in check_values
+
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         out_shape = (*input_meta.shape[:-1], self.out_features)
         if _is_dtensor(self.weight):
@@ -118,6 +120,8 @@ class Bias(BasicOperation):
 
     def extra_repr(self) -> str:
         return f"features={self.features}"
+
+    static_preflight = True  # value checks, if any, are in check_values
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         if not input_meta.shape or input_meta.shape[-1] != self.features:

@@ -22,6 +22,8 @@ class _Norm(BasicOperation):
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
 
+    static_preflight = True  # value checks, if any, are in check_values
+
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         if not input_meta.shape or input_meta.shape[-1] != self.normalized_shape:
             raise ValueError(

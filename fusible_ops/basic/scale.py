@@ -35,6 +35,8 @@ class Scale(BasicOperation):
 
     num_extra_inputs = 1
 
+    static_preflight = True  # value checks, if any, are in check_values
+
     def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
         check_op_row_scales(self.op_name(), extra_inputs[0], input_meta)
         return input_meta

@@ -41,6 +41,8 @@ class ScaledActivation(BasicOperation):
             parts.append(f"glu_interleave_size={s.glu_interleave_size}")
         return ", ".join(parts)
 
+    static_preflight = True  # value checks, if any, are in check_values
+
     def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
         out = check_activation_input(self.op_name(), self.spec, input_meta)
         check_op_row_scales(self.op_name(), extra_inputs[0], input_meta)

@@ -29,6 +29,8 @@ class Reshape(BasicOperation):
     def extra_repr(self) -> str:
         return f"shape={self.shape}"
 
+    static_preflight = True  # value checks, if any, are in check_values
+
     def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
         numel = math.prod(input_meta.shape)
         known = math.prod(s for s in self.shape if s != -1)

@@ -275,15 +275,18 @@ class GroupedGemmBackend:
         self, where: str, rows: Tensor, in_features: int, out_features: int, split_sizes, offsets: Tensor
     ) -> list[int] | None:
         """The checks that depend on the backend; returns the ``split_sizes`` the hooks get."""
-        problem = self.shape_problem(in_features, out_features, rows.dtype)
-        if problem is not None:
-            raise ValueError(f"{where}: {problem}; use the torch_loop backend for this shape")
-        self._check_runnable(where, rows)
+        cls = type(self)
+        if cls.shape_problem is not GroupedGemmBackend.shape_problem:
+            problem = self.shape_problem(in_features, out_features, rows.dtype)
+            if problem is not None:
+                raise ValueError(f"{where}: {problem}; use the torch_loop backend for this shape")
+        if cls._check_runnable is not GroupedGemmBackend._check_runnable:
+            self._check_runnable(where, rows)
         return self._hook_sizes(where, rows, split_sizes, offsets)
 
     def _hook_sizes(self, where: str, rows: Tensor, split_sizes, offsets: Tensor) -> list[int] | None:
-        if not self.needs_host_splits:
-            return split_sizes
+        if not self.needs_host_splits or type(split_sizes) is list:
+            return split_sizes  # a host list was checked with the operands
         sizes = host_split_sizes(split_sizes, offsets)
         if split_sizes is None and sum(sizes) > rows.shape[0]:
             raise ValueError(f"{where}: offsets end at {sum(sizes)} but the input has {rows.shape[0]} rows")

@@ -55,9 +55,9 @@ def check_operands(
     if split_sizes is not None:
         if len(split_sizes) != groups:
             raise ValueError(f"{where}: {len(split_sizes)} split sizes for {groups} groups")
-        if any(int(s) < 0 for s in split_sizes):
+        if groups and min(split_sizes) < 0:
             raise ValueError(f"{where}: split sizes must be non-negative, got {list(split_sizes)}")
-        total = sum(int(s) for s in split_sizes)
+        total = sum(split_sizes)
         if total > lhs.shape[0]:
             raise ValueError(
                 f"{where}: split sizes sum to {total} but {lhs_name} has only {lhs.shape[0]} rows"
@@ -97,6 +97,8 @@ def check_bias(where: str, bias: torch.Tensor | None, groups: int, features: int
 
 def host_split_sizes(split_sizes: Sequence[int] | None, offsets: torch.Tensor) -> list[int]:
     """``split_sizes`` as ints; derived from ``offsets`` when None (a host sync on CUDA)."""
+    if type(split_sizes) is list:
+        return split_sizes
     if split_sizes is not None:
         return [int(s) for s in split_sizes]
     ends = [int(e) for e in offsets.tolist()]
@@ -140,9 +142,11 @@ def check_gemm(
         if lhs.shape[1] != inner:
             weight_side = f"expects {inner}" if kind == "fprop" else f"has {inner} outputs"
             raise ValueError(f"{where}: {name} has {lhs.shape[1]} features but weight {weight_side}")
-        check_bias(where, bias, groups, dims[1], lhs.dtype)
+        if bias is not None:
+            check_bias(where, bias, groups, dims[1], lhs.dtype)
         result = (lhs.shape[0], outer)
-    check_out(where, out, result, lhs.dtype, lhs.device)
+    if out is not None:
+        check_out(where, out, result, lhs.dtype, lhs.device)
     return dims
 
 

@@ -34,6 +34,7 @@ from .torch_loop import TorchLoopBackend, _row_ranges
 HAND_FUSED_KINDS = ("swiglu",)
 
 _GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 #: weights up to this many elements are re-laid out for a small reduced-precision dgrad
@@ -318,7 +319,7 @@ class TorchCpuBackend(TorchLoopBackend):
         (no AMX: bf16 mm is slow, and the masked form does ``groups`` times the work);
         fp32 53 vs 90 vs 58 us. It needs bf16/fp16/fp32 and 16-byte aligned feature sizes.
         """
-        if not hasattr(torch, "_grouped_mm") or t.dtype not in _GROUPED_MM_DTYPES:
+        if not _HAS_GROUPED_MM or t.dtype not in _GROUPED_MM_DTYPES:
             return False
         elems = 16 // t.element_size()
         row_stride_aligned = t.dim() == 2 and (t.stride(0) * t.element_size()) % 16 == 0
@@ -365,9 +366,9 @@ class TorchCpuBackend(TorchLoopBackend):
         return (one_hot.unsqueeze(-1) * rows.unsqueeze(1)).reshape(rows.shape[0], -1)
 
     def _empty(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        if self.reuse_buffers:
+        if self.reuse_buffers and math.prod(shape) * like.element_size() >= self.buffers.min_bytes:
             return self.buffers.empty(shape, like.dtype, like.device)
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+        return like.new_empty(shape)  # small: the allocator reuses these itself
 
     def _block_rows(self, pre: torch.Tensor) -> int:
         if self.row_block is not None:
