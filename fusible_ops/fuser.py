@@ -57,9 +57,17 @@ class OperationFuser(HookedSegments):
     """
 
     def __init__(
-        self, ops: Sequence[BasicOperation], *, honour_hooks: bool = True, first_index: int | None = None
+        self,
+        ops: Sequence[BasicOperation],
+        *,
+        honour_hooks: bool = True,
+        first_index: int | None = None,
+        keep_signatures: bool = True,
     ) -> None:
         self.ops = list(ops)
+        #: False for a fuser made for one call (an op's own ``forward``): keying the call
+        #: by its signature would cost time and save none
+        self.keep_signatures = keep_signatures
         #: False for an op's own ``forward`` (its hooks already ran in ``nn.Module.__call__``)
         self.honour_hooks = honour_hooks
         #: position of ``ops[0]`` in the enclosing Sequential (None: not in one), for messages
@@ -379,8 +387,8 @@ class OperationFuser(HookedSegments):
 
     def _may_reuse(self, extra_inputs: tuple) -> bool:
         """Whether a call without op kwargs may reuse a prepared call (see fuser_signature)."""
-        if torch.compiler.is_compiling():
-            return False  # traced once per graph: the plan is made while tracing
+        if not self.keep_signatures or torch.compiler.is_compiling():
+            return False  # compiling: traced once per graph, the plan is made while tracing
         if self._static is None:
             self._static = all(preflight_is_static(op) for op in self.ops)
         return (

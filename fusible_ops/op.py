@@ -284,7 +284,8 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
         """
         from .fuser import OperationFuser
 
-        fuser = OperationFuser([self], honour_hooks=False)  # hooks ran in nn.Module.__call__
+        # hooks ran in nn.Module.__call__; the fuser lives for this call only
+        fuser = OperationFuser([self], honour_hooks=False, keep_signatures=False)
         return fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs])
 
 
