@@ -183,7 +183,7 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
         names = self.param_names
         if names is None:
             names = tuple(self._parameters)
-            parametrized = getattr(self, "parametrizations", None)
+            parametrized = self._modules.get("parametrizations")  # where parametrize keeps them
             if parametrized is not None:
                 names += tuple(n for n in parametrized if n not in names)
         # what getattr finds, without nn.Module.__getattr__ for a registered parameter
