@@ -52,7 +52,7 @@ class _LastSplits:
         version = None if tensor.is_inference() else tensor._version
         if tensor is not self.tensor or version is None or version != self.version:
             self.tensor, self.version = tensor, version
-            self.values = [int(v) for v in tensor.tolist()]
+            self.values = tensor.tolist()  # an integer tensor: Python ints
             self.checked, self.infos = set(), {}
         return self.values
 
@@ -75,6 +75,11 @@ def start_call() -> None:
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:
     """Raise ``ValueError`` when ``split_sizes`` is unusable (host values checked eagerly)."""
     if isinstance(split_sizes, torch.Tensor):
+        on_host = split_sizes.device.type == "cpu" and not torch.compiler.is_compiling()
+        if on_host:
+            last = _last_splits()
+            if split_sizes is last.tensor and (num_groups, num_rows) in last.checked:
+                return  # checked in this call already (nothing runs between an op's checks)
         if (
             split_sizes.dtype.is_floating_point
             or split_sizes.dtype.is_complex
@@ -88,9 +93,8 @@ def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows:
                 f"{op_name}: split_sizes must be 1-D of length {num_groups} (one per group), "
                 f"got shape {tuple(split_sizes.shape)}"
             )
-        if split_sizes.device.type != "cpu" or torch.compiler.is_compiling():
+        if not on_host:
             return  # values are checked on device (asynchronously) or in the graph, in to_split_info
-        last = _last_splits()
         values = last.values_of(split_sizes)
         if (num_groups, num_rows) in last.checked:
             return
@@ -113,7 +117,7 @@ def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows:
 
 
 def _check_values(op_name: str, values: list[int], num_rows: int) -> None:
-    if any(v < 0 for v in values):
+    if values and min(values) < 0:
         raise ValueError(f"{op_name}: split_sizes must be non-negative, got {values}")
     if sum(values) != num_rows:
         raise ValueError(f"{op_name}: split_sizes sum to {sum(values)} but the input has {num_rows} rows")
@@ -128,7 +132,9 @@ def to_split_info(split_sizes: Any, num_rows: int, device: torch.device) -> Spli
             host = last.values_of(split_sizes)
             info = last.infos.get(device)
             if info is None:
-                offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(device, non_blocking=True)
+                offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32)
+                if device.type != "cpu":
+                    offsets = offsets.to(device, non_blocking=True)
                 info = SplitInfo(host, offsets, split_sizes if device.type != "cpu" else None)
                 last.infos[device] = info
             return info

@@ -216,7 +216,7 @@ class GroupedLinear(BasicOperation):
             ctx.host_splits = splits.host
             ctx.input_shape = input_.shape
             ctx.compute_dtype = dtype
-        return y.view(out_shape)
+        return y if y.shape == out_shape else y.view(out_shape)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         saved = ctx.saved

@@ -88,7 +88,7 @@ class GroupedMLP(FusedOperation):
             ctx1.scales_shape = scales_in.shape
             ctx1.scales_requires_grad = scales_in.requires_grad
         extra_outputs = [()] * len(basic_op_ctxs)
-        return FusedForward(y.view(out_shape), extra_outputs)
+        return FusedForward(y if y.shape == out_shape else y.view(out_shape), extra_outputs)
 
     # ------------------------------------------------------------ backward
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs) -> FusedBackward:

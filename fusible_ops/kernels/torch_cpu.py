@@ -289,14 +289,20 @@ class TorchCpuBackend(TorchLoopBackend):
         reads it and then overwrites it with the recomputed activation (no ``[M, F]`` temporary).
         """
         rows = grad_y.shape[0]
+        groups, h_out, n_act = weight.shape
         grad_pre = self._empty(tuple(pre.shape), pre)
-        act = self._empty((rows, weight.shape[2]), pre)
         grad_scales = None if scales is None else torch.empty(rows, dtype=scales.dtype, device=scales.device)
         covered = sum(split_sizes)
-        for tail in (grad_pre, act, grad_scales):
+        if self._whole_grouped_mm(grad_y, split_sizes, groups, h_out, n_act):
+            act = self._dgrad(grad_y, weight, split_sizes, offsets, None)  # fresh: one GEMM, no copy
+        else:
+            act = self._empty((rows, n_act), pre)
+            if covered < rows:
+                act[covered:].zero_()
+            self._dgrad(grad_y, weight, split_sizes, offsets, act)
+        for tail in (grad_pre, grad_scales):
             if tail is not None and covered < rows:
                 tail[covered:].zero_()
-        self._dgrad(grad_y, weight, split_sizes, offsets, act)
         fast = self._is_fast_swiglu(activation)
         for s, e in _blocks(0, covered, self._block_rows(pre)):
             block_scales = None if scales is None else scales[s:e]
@@ -319,11 +325,14 @@ class TorchCpuBackend(TorchLoopBackend):
         (no AMX: bf16 mm is slow, and the masked form does ``groups`` times the work);
         fp32 53 vs 90 vs 58 us. It needs bf16/fp16/fp32 and 16-byte aligned feature sizes.
         """
-        if not _HAS_GROUPED_MM or t.dtype not in _GROUPED_MM_DTYPES:
+        if not _HAS_GROUPED_MM or t.dtype not in _GROUPED_MM_DTYPES or t.dim() != 2:
             return False
-        elems = 16 // t.element_size()
-        row_stride_aligned = t.dim() == 2 and (t.stride(0) * t.element_size()) % 16 == 0
-        return n_out % elems == 0 and k_in % elems == 0 and t.stride(-1) == 1 and row_stride_aligned
+        size = t.element_size()
+        elems = 16 // size
+        row_stride, column_stride = t.stride()
+        return (
+            n_out % elems == 0 and k_in % elems == 0 and column_stride == 1 and (row_stride * size) % 16 == 0
+        )
 
     def _offs(self, sizes: list[int]) -> torch.Tensor:
         """int32 group end offsets ``[G]`` for host ``sizes``, cached (``torch.tensor``
