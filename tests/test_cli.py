@@ -274,3 +274,17 @@ def test_hf_bench_times_three_implementations_that_agree():
         assert set(medians) == {"eager", "grouped_mm", "fusible_ops"} and all(v > 0 for v in medians.values())
         assert results["max_rel_diff"]["float32"]["fusible_ops"] < 1e-5
         assert "| float32 |" in format_hf_table(results)
+
+
+def test_small_overhead_benchmark_runs_and_checks_its_variants(capsys):
+    """benchmarks/small_overhead.py: its three variants agree before it times them."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "small_overhead.py"
+    spec = importlib.util.spec_from_file_location("small_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--dtype", "float32", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels only" in out and "[forward+backward]" in out
