@@ -336,6 +336,7 @@ class OperationFuser(HookedSegments):
         guard: Sequence[torch.Tensor] = (),
     ) -> tuple[FusionPlan, TensorMeta]:
         """The plan a call would use, and the output meta, without computing anything."""
+        start_call()  # split-size values are read afresh, as in a call
         per_op_extra = self.split_extra_inputs(extra_inputs)
         kwargs = [dict(k) if k else {} for k in (basic_op_kwargs or [None] * len(self.ops))]
         hooked = [op.hook_reason() for op in self.ops] if self.honour_hooks else []
