@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,9 +10,9 @@ import torch
 
 from .buffers import GRAD_BUFFER_WRITES, GRAD_INPUT_BUFFER_KEY, call_buffers, check_call_buffers
 from .dtypes import compute_dtype
-from .fuser_function import CallState, FuserFunction, dedupe_args, run_forward
+from .fuser_function import CallState, FuserFunction, count_slices, dedupe_args, run_forward
 from .fuser_hooks import HookedSegments, decision_in_sequential
-from .fuser_signature import PreparedCall, PreparedCalls, autocast_state, call_signature
+from .fuser_signature import BoundedCache, PreparedCall, autocast_state, call_signature
 from .fusion_rules import (
     FusionContext,
     checked_plan,
@@ -25,8 +24,6 @@ from .op import BasicOperation, OperationContext, TensorMeta, preflight_is_stati
 from .plan import FusionPlan, PlanEntry
 from .settings import current_settings
 from .splits import start_call
-
-_MAX_CACHED_PLANS = 32
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -41,11 +38,6 @@ def _check_dense(op_name: str, what: str, tensor: torch.Tensor) -> None:
         )
     if tensor.is_meta:
         raise ValueError(f"{op_name}: {what} is a meta tensor (shape only, no data); the op needs real data")
-
-
-def _has_hooks(op: BasicOperation) -> bool:
-    """What :meth:`BasicOperation.hook_reason` looks at, without building the reason."""
-    return bool(op._forward_pre_hooks or op._forward_hooks or op._backward_hooks or op._backward_pre_hooks)
 
 
 class OperationFuser(HookedSegments):
@@ -72,14 +64,15 @@ class OperationFuser(HookedSegments):
         self.honour_hooks = honour_hooks
         #: position of ``ops[0]`` in the enclosing Sequential (None: not in one), for messages
         self.first_index = first_index
-        self._plans: OrderedDict[tuple, FusionPlan] = OrderedDict()
+        self._plans = BoundedCache()
         self._segments: dict[tuple[bool, ...], list] = {}
         self._thread_plans: threading.local | None = None
         self._traced_plan: FusionPlan | None = None
-        self._prepared = PreparedCalls()
+        self._prepared = BoundedCache()
         self._extra_counts = [op.num_extra_inputs for op in self.ops]
         #: extra inputs a call takes, all ops together
         self.num_extra_inputs = sum(self._extra_counts)
+        self._one_extra_each = all(n == 1 for n in self._extra_counts)
         #: whether every op's preflight is static (see preflight_is_static); None: not known yet
         self._static: bool | None = None
 
@@ -156,13 +149,6 @@ class OperationFuser(HookedSegments):
         return meta
 
     # ------------------------------------------------------------ planning
-    def _param_dicts(self, *, for_kernels: bool = True) -> list[dict[str, torch.Tensor | None]]:
-        """Each op's parameter tensors of this call; ``for_kernels`` refuses sharded DTensors."""
-        dicts = [op.param_tensors() for op in self.ops]
-        if for_kernels:
-            self._check_kernel_params(dicts)
-        return dicts
-
     def _check_kernel_params(self, dicts: list[dict[str, torch.Tensor | None]]) -> None:
         for op, params in zip(self.ops, dicts):
             if op.accepts_dtensor:
@@ -176,7 +162,12 @@ class OperationFuser(HookedSegments):
                     )
 
     def _params(self, *, for_kernels: bool = True) -> list[list[torch.Tensor]]:
-        return [[t for t in d.values() if t is not None] for d in self._param_dicts(for_kernels=for_kernels)]
+        """Each op's parameter tensors of this call (None dropped); ``for_kernels`` refuses
+        sharded DTensors."""
+        dicts = [op.param_tensors() for op in self.ops]
+        if for_kernels:
+            self._check_kernel_params(dicts)
+        return [[t for t in d.values() if t is not None] for d in dicts]
 
     def _grad_flags(
         self, input_requires_grad: bool, extra_inputs: list[tuple], params: list[list[torch.Tensor]]
@@ -235,9 +226,7 @@ class OperationFuser(HookedSegments):
                 decisions=[],
             )
             plan = self._make_plan(context)
-            self._plans[key] = plan
-            if len(self._plans) > _MAX_CACHED_PLANS:
-                self._plans.popitem(last=False)
+            self._plans.put(key, plan)
         return plan
 
     def _make_plan(self, context: FusionContext) -> FusionPlan:
@@ -272,7 +261,7 @@ class OperationFuser(HookedSegments):
     # ------------------------------------------------------------ running
     def split_extra_inputs(self, extra_inputs: Sequence[Any]) -> list[tuple[Any, ...]]:
         counts = self._extra_counts
-        if len(extra_inputs) == len(counts) and all(n == 1 for n in counts):
+        if self._one_extra_each and len(extra_inputs) == len(counts):
             return [(value,) for value in extra_inputs]
         needed = sum(counts)
         if len(extra_inputs) != needed:
@@ -358,7 +347,7 @@ class OperationFuser(HookedSegments):
         basic_op_kwargs: Sequence[dict[str, Any] | None] | None = None,
     ):
         start_call()
-        keyed = None
+        keyed = param_dicts = None
         if (basic_op_kwargs is None or not any(basic_op_kwargs)) and self._may_reuse(extra_inputs):
             param_dicts = [op.param_tensors() for op in self.ops]
             keyed = call_signature(self.ops, input_, extra_inputs, param_dicts)
@@ -370,9 +359,11 @@ class OperationFuser(HookedSegments):
             kwargs = [{} for _ in self.ops]
         else:
             kwargs = [dict(k) if k else {} for k in basic_op_kwargs]
-        if self.honour_hooks and any(_has_hooks(op) for op in self.ops):
+        if self.honour_hooks and any(op.has_hooks() for op in self.ops):
             return self._call_segmented(input_, per_op_extra, kwargs, [op.hook_reason() for op in self.ops])
-        param_dicts = self._param_dicts()
+        if param_dicts is None:
+            param_dicts = [op.param_tensors() for op in self.ops]
+        self._check_kernel_params(param_dicts)
         if keyed is None:
             flat_extra = [t for op_extra in per_op_extra for t in op_extra]
             flat_params = [t for d in param_dicts for t in d.values() if t is not None]
@@ -395,7 +386,7 @@ class OperationFuser(HookedSegments):
         return (
             self._static
             and len(extra_inputs) == self.num_extra_inputs
-            and not (self.honour_hooks and any(_has_hooks(op) for op in self.ops))
+            and not (self.honour_hooks and any(op.has_hooks() for op in self.ops))
         )
 
     def _run_prepared(
@@ -441,9 +432,9 @@ class OperationFuser(HookedSegments):
         grad_flags = self._grad_flags(input_.requires_grad, extra_inputs, params)
         meta = TensorMeta(tuple(input_.shape), input_.dtype, input_.device)
         plan = self.plan(meta, extra_inputs, kwargs, grad_flags, params)
-        starts = [sum(self._extra_counts[:i]) for i in range(len(self.ops))]
+        extra_slices = count_slices(self._extra_counts)
         value_checks = tuple(
-            (i, input_metas[i], slice(starts[i], starts[i] + op.num_extra_inputs))
+            (i, input_metas[i], extra_slices[i])
             for i, op in enumerate(self.ops)
             if type(op).check_values is not BasicOperation.check_values
         )

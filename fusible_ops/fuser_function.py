@@ -57,15 +57,16 @@ class CallState:
     output_slices: list[slice] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.extra_slices = _slices(self.extra_counts)
+        self.extra_slices = count_slices(self.extra_counts)
         self.param_counts = [len(names) for names in self.param_names]
-        self.param_slices = _slices(self.param_counts)
+        self.param_slices = count_slices(self.param_counts)
         self.num_extra = sum(self.extra_counts)
         self.num_params = sum(self.param_counts)
-        self.output_slices = _slices([op.num_extra_outputs for op in self.ops])
+        self.output_slices = count_slices([op.num_extra_outputs for op in self.ops])
 
 
-def _slices(counts: list[int]) -> list[slice]:
+def count_slices(counts: list[int]) -> list[slice]:
+    """Each op's slice of a flat list where op ``i`` has ``counts[i]`` entries."""
     result, start = [], 0
     for count in counts:
         result.append(slice(start, start + count))

@@ -32,7 +32,6 @@ from .plan import FusionPlan
 from .settings import current_settings
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_MAX_SIGNATURES = 32
 
 
 def autocast_state(device: torch.device) -> tuple:
@@ -126,19 +125,18 @@ class PreparedCall:
     value_checks: tuple[tuple[int, TensorMeta, slice], ...]
 
 
-class PreparedCalls:
-    """Prepared calls by signature, least recently used evicted first."""
+class BoundedCache:
+    """A dict of at most ``size`` entries, the oldest dropped first (the fuser's plans and
+    prepared calls)."""
 
-    def __init__(self) -> None:
-        self._calls: OrderedDict[tuple, PreparedCall] = OrderedDict()
+    def __init__(self, size: int = 32) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple, Any] = OrderedDict()
 
-    def get(self, signature: tuple) -> PreparedCall | None:
-        return self._calls.get(signature)
+    def get(self, key: tuple) -> Any:
+        return self._entries.get(key)
 
-    def put(self, signature: tuple, prepared: PreparedCall) -> None:
-        self._calls[signature] = prepared
-        if len(self._calls) > _MAX_SIGNATURES:
-            self._calls.popitem(last=False)
-
-    def clear(self) -> None:
-        self._calls.clear()
+    def put(self, key: tuple, value: Any) -> None:
+        self._entries[key] = value
+        if len(self._entries) > self.size:
+            self._entries.popitem(last=False)

@@ -204,6 +204,12 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
         """
         return None
 
+    def has_hooks(self) -> bool:
+        """Whether :meth:`hook_reason` has a reason (checked on every call, so kept cheap)."""
+        return bool(
+            self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks
+        )
+
     def hook_reason(self) -> str | None:
         """Why this op must run alone through ``nn.Module.__call__`` (it has hooks), or None."""
         kinds = []

@@ -194,9 +194,15 @@ class TorchCpuBackend(TorchLoopBackend):
         return y
 
     def _dgrad(self, grad_out, weight, split_sizes, offsets, out) -> torch.Tensor:
+        whole = None if out is not None else self._whole_dgrad(grad_out, weight, split_sizes)
+        return super()._dgrad(grad_out, weight, split_sizes, offsets, out) if whole is None else whole
+
+    def _whole_dgrad(self, grad_out, weight, split_sizes) -> torch.Tensor | None:
+        """The dgrad of a small problem whose groups cover every row, as one fresh
+        ``_grouped_mm`` result; None when the problem is not one."""
         groups, n_out, k_in = weight.shape
-        if out is not None or not self._whole_grouped_mm(grad_out, split_sizes, groups, n_out, k_in):
-            return super()._dgrad(grad_out, weight, split_sizes, offsets, out)
+        if not self._whole_grouped_mm(grad_out, split_sizes, groups, n_out, k_in):
+            return None
         return torch._grouped_mm(grad_out, _dgrad_operand(weight), offs=self._offs(split_sizes))
 
     def _wgrad(self, grad_out, x, split_sizes, offsets, out) -> torch.Tensor:
@@ -289,18 +295,14 @@ class TorchCpuBackend(TorchLoopBackend):
         reads it and then overwrites it with the recomputed activation (no ``[M, F]`` temporary).
         """
         rows = grad_y.shape[0]
-        groups, h_out, n_act = weight.shape
         grad_pre = self._empty(tuple(pre.shape), pre)
         grad_scales = None if scales is None else torch.empty(rows, dtype=scales.dtype, device=scales.device)
         covered = sum(split_sizes)
-        if self._whole_grouped_mm(grad_y, split_sizes, groups, h_out, n_act):
-            act = self._dgrad(grad_y, weight, split_sizes, offsets, None)  # fresh: one GEMM, no copy
-        else:
-            act = self._empty((rows, n_act), pre)
-            if covered < rows:
-                act[covered:].zero_()
-            self._dgrad(grad_y, weight, split_sizes, offsets, act)
-        for tail in (grad_pre, grad_scales):
+        act = self._whole_dgrad(grad_y, weight, split_sizes)  # fresh memory: no copy into a buffer
+        if act is None:
+            act = self._empty((rows, weight.shape[2]), pre)
+            self._dgrad(grad_y, weight, split_sizes, offsets, act)  # writes the covered rows
+        for tail in (grad_pre, act, grad_scales):
             if tail is not None and covered < rows:
                 tail[covered:].zero_()
         fast = self._is_fast_swiglu(activation)
