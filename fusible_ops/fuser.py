@@ -67,7 +67,6 @@ class OperationFuser(HookedSegments):
         self._plans = BoundedCache()
         self._segments: dict[tuple[bool, ...], list] = {}
         self._thread_plans: threading.local | None = None
-        self._traced_plan: FusionPlan | None = None
         self._prepared = BoundedCache()
         self._extra_counts = [op.num_extra_inputs for op in self.ops]
         #: extra inputs a call takes, all ops together
@@ -83,16 +82,13 @@ class OperationFuser(HookedSegments):
 
     @property
     def last_plan(self) -> FusionPlan | None:
-        """The plan of this thread's most recent call (what actually ran)."""
+        """The plan of this thread's most recent eager call (what actually ran)."""
         local = self._thread_plans
-        plan = getattr(local, "plan", None) if local is not None else None
-        return plan if plan is not None else self._traced_plan
+        return getattr(local, "plan", None) if local is not None else None
 
     def _record_plan(self, plan: FusionPlan) -> None:
         if torch.compiler.is_compiling():
-            # a traced call: thread-local storage cannot be traced
-            self._traced_plan = plan
-            return
+            return  # no side effect: Dynamo would rebuild the plan after every compiled call
         if self._thread_plans is None:
             self._thread_plans = threading.local()
         self._thread_plans.plan = plan
@@ -226,7 +222,8 @@ class OperationFuser(HookedSegments):
                 decisions=[],
             )
             plan = self._make_plan(context)
-            self._plans.put(key, plan)
+            if not torch.compiler.is_compiling():  # traced: no side effect (see _record_plan)
+                self._plans.put(key, plan)
         return plan
 
     def _make_plan(self, context: FusionContext) -> FusionPlan:

@@ -44,11 +44,13 @@ class Sequential(torch.nn.Module):
         self._modules.clear()
         for i, module in enumerate(modules):
             self._modules[str(i)] = module
+        self._get_groups()
 
     def append(self, module: torch.nn.Module) -> Sequential:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Sequential: {type(module).__name__} is not an nn.Module")
         self._modules[str(len(self._modules))] = module
+        self._get_groups()  # built here, so that a first call under torch.compile finds them
         return self
 
     def extend(self, modules: Iterable[torch.nn.Module]) -> Sequential:
@@ -127,7 +129,9 @@ class Sequential(torch.nn.Module):
             groups.append(([i], None))
         if run:
             groups.append((run, OperationFuser([modules[j] for j in run], first_index=run[0])))
-        self.__dict__["_groups"] = (modules, groups)
+        if not torch.compiler.is_compiling():
+            # traced: no side effect, which Dynamo would replay (a new fuser) on every call
+            self.__dict__["_groups"] = (modules, groups)
         return groups
 
     def __getstate__(self) -> dict[str, Any]:

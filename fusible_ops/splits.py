@@ -68,8 +68,12 @@ def _last_splits() -> _LastSplits:
 
 
 def start_call() -> None:
-    """Forget the split sizes read by earlier calls (see :class:`_LastSplits`)."""
-    _last_splits().tensor = None
+    """Forget the split sizes read by earlier calls (see :class:`_LastSplits`).
+
+    Traced calls never read that eager cache, and leave it alone (a side effect Dynamo
+    refuses inside a checkpointed region)."""
+    if not torch.compiler.is_compiling():
+        _last_splits().tensor = None
 
 
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:

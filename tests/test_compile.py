@@ -162,3 +162,49 @@ def test_compiled_direct_grouped_linear_call():
     expected = torch.autograd.grad(want.sum(), [x, lin.weight, lin.bias])
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
+
+
+def test_compiled_calls_make_no_python_side_effects():
+    """A traced call stores nothing on the Sequential or its fuser: Dynamo would replay such
+    a store (rebuilding the fuser and its plan) after every compiled call."""
+    seq = expert_block()
+    groups = seq._get_groups()  # built with the module list, before any call
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(seq, backend=counter, fullgraph=True)
+    x, probs, splits = inputs([3, 0, 5, 4])
+    for _ in range(2):
+        run(compiled, seq, x, probs, splits)
+    assert seq._get_groups() is groups
+    assert seq.last_plan is None  # only eager calls record their plan
+    run(seq, seq, x, probs, splits)  # an eager call in between: no recompile
+    run(compiled, seq, x, probs, splits)
+    assert counter.frame_count == 1
+    assert "GroupedMLP" in str(seq.last_plan)
+
+
+def test_compiled_selective_checkpointing_sees_the_fused_op():
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    seq = expert_block()
+    seen = []
+
+    def policy(ctx, func, *args, **kwargs):
+        seen.append(func)
+        if func is torch.ops.fusible_ops.grouped_mlp_forward.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def region(x, splits, probs, splits_again):
+        context_fn = partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(seq, x, splits, probs, splits_again, use_reentrant=False, context_fn=context_fn)
+
+    x, probs, splits = inputs([3, 0, 5, 4])
+    eager_out, eager_grads = run(region, seq, x, probs, splits)
+    seen.clear()
+    out, grads = run(torch.compile(region, backend="aot_eager", fullgraph=True), seq, x, probs, splits)
+    assert torch.ops.fusible_ops.grouped_mlp_forward.default in seen
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -54,6 +54,12 @@ def _host(offsets: Tensor, host_sizes: Tensor | None) -> list[int] | None:
     return None
 
 
+def _lowering():
+    from . import inductor_lowering  # imports this module
+
+    return inductor_lowering
+
+
 def _spec(kind: str, limit: float, alpha: float, glu_linear_offset: float, interleave: int) -> ActivationSpec:
     return ActivationSpec(
         kind,
@@ -167,6 +173,7 @@ def _mlp_forward_out_op(*args):
 
 
 def _mlp_forward_fake(x, w1, b1, w2, b2, scales, offsets, host_sizes, *rest):
+    _lowering().register_for_tracing()  # tracing: Inductor may lower the op
     return x.new_empty(x.shape[0], w1.shape[1]), x.new_empty(x.shape[0], w2.shape[1])
 
 
@@ -282,6 +289,7 @@ def _mlp_grad_fakes(dy, w1, w2, scales, needs) -> list[Tensor]:
 
 
 def _mlp_backward_fake(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, backend, *rest):
+    _lowering().register_for_tracing()
     return tuple(_mlp_grad_fakes(dy, w1, w2, scales, rest[-1]))
 
 
