@@ -208,7 +208,10 @@ class OperationFuser(HookedSegments):
             tuple(op.training for op in self.ops),
             registry_version(),
         )
-        plan = self._plans.get(key)
+        # traced: neither read nor write the cache (Dynamo would guard on its contents and
+        # replay the write, recompiling whenever an eager call adds a plan)
+        tracing = torch.compiler.is_compiling()
+        plan = None if tracing else self._plans.get(key)
         if plan is None:
             context = FusionContext(
                 ops=tuple(self.ops),
@@ -222,7 +225,7 @@ class OperationFuser(HookedSegments):
                 decisions=[],
             )
             plan = self._make_plan(context)
-            if not torch.compiler.is_compiling():  # traced: no side effect (see _record_plan)
+            if not tracing:
                 self._plans.put(key, plan)
         return plan
 

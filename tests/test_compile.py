@@ -176,7 +176,14 @@ def test_compiled_calls_make_no_python_side_effects():
         run(compiled, seq, x, probs, splits)
     assert seq._get_groups() is groups
     assert seq.last_plan is None  # only eager calls record their plan
-    run(seq, seq, x, probs, splits)  # an eager call in between: no recompile
+    assert counter.frame_count == 1
+    # eager plans added while a compiled call's plan was cached: no recompile
+    seq, counter = expert_block(), CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(seq, backend=counter, fullgraph=True)
+    run(seq, seq, x, probs, splits)
+    run(compiled, seq, x, probs, splits)
+    with torch.no_grad():
+        seq(x, splits, probs, splits)
     run(compiled, seq, x, probs, splits)
     assert counter.frame_count == 1
     assert "GroupedMLP" in str(seq.last_plan)
