@@ -480,7 +480,10 @@ class OperationFuser(HookedSegments):
             ctx = OperationContext()
             ctx.params = params
             ctxs.append(ctx)
-        with torch.no_grad():
+        if torch.is_grad_enabled():  # inputs that need no gradient
+            with torch.no_grad():
+                x, extra_outputs, _ = run_forward(plan, self.ops, ctxs, input_, extra_inputs, kwargs)
+        else:
             x, extra_outputs, _ = run_forward(plan, self.ops, ctxs, input_, extra_inputs, kwargs)
         flat_extra_outputs = [t for outs in extra_outputs for t in outs]
         return (x, *flat_extra_outputs) if flat_extra_outputs else x

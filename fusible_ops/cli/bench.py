@@ -5,8 +5,10 @@ hits all of them alike; medians are reported:
 
 - ``fused``: ``fo.Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)``, fusion on;
 - ``unfused``: the same Sequential under ``fo.settings(fusion=False)``;
-- ``grouped_mm``: a torchtitan-style composition (``torch._grouped_mm``,
-  ``silu(gate) * up * probs``, ``torch._grouped_mm``) differentiated by autograd;
+- ``grouped_mm``: a torchtitan-style composition (int32 offsets from the split-size
+  tensor by ``torch.cumsum``, ``torch._grouped_mm``, ``silu(gate) * up * probs``,
+  ``torch._grouped_mm``) differentiated by autograd; like the fused variant it gets the
+  split sizes, not precomputed offsets (as torchtitan's ``_run_experts_grouped_mm``);
 - ``loop``: a per-expert eager loop of ``F.linear``;
 - ``dense``: the bound, the same GEMMs as plain ``torch.mm`` on contiguous operands
   (2 in forward, 6 in forward+backward), nothing else;
@@ -118,8 +120,9 @@ def _swiglu_scaled(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm_forward(p: Problem, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    h = torch._grouped_mm(x, p.w1.transpose(-2, -1), offs=p.offsets)
-    return torch._grouped_mm(_swiglu_scaled(h, probs), p.w2.transpose(-2, -1), offs=p.offsets)
+    offsets = torch.cumsum(p.splits_tensor, 0, dtype=torch.int32)
+    h = torch._grouped_mm(x, p.w1.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(_swiglu_scaled(h, probs), p.w2.transpose(-2, -1), offs=offsets)
 
 
 def loop_forward(p: Problem, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from ..splits import host_offsets
 from .activation import ActivationSpec, activation_backward, activation_forward
 from .cpu_buffer_pool import CpuBufferPool
 from .torch_loop import TorchLoopBackend, _row_ranges
@@ -172,7 +173,6 @@ class TorchCpuBackend(TorchLoopBackend):
     def __init__(self) -> None:
         self.buffers = CpuBufferPool()
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._offs_tables: dict[tuple[int, ...], torch.Tensor] = {}
 
     def probe(self, device: torch.device, dtype: torch.dtype) -> str | None:
         if torch.device(device).type != "cpu":
@@ -282,9 +282,14 @@ class TorchCpuBackend(TorchLoopBackend):
     def _fc1_fprop_act(self, x, weight, bias, split_sizes, offsets, activation, scales):
         """FC1, then ``act(pre) * scales`` by row blocks."""
         pre = self._fprop(x, weight, split_sizes, offsets, bias, None)
-        act = self._empty((pre.shape[0], activation.output_features(pre.shape[1])), pre)
         fast = self._is_fast_swiglu(activation)
-        for s, e in _blocks(0, pre.shape[0], self._block_rows(pre)):
+        block_rows = self._block_rows(pre)
+        if fast and pre.shape[0] <= block_rows:  # one block: no output buffer, no copy into it
+            n = pre.shape[1] // 2
+            act = torch.nn.functional.silu(pre[:, :n]).mul_(pre[:, n:])
+            return pre, act if scales is None else act.mul_(scales.to(act.dtype).unsqueeze(-1))
+        act = self._empty((pre.shape[0], activation.output_features(pre.shape[1])), pre)
+        for s, e in _blocks(0, pre.shape[0], block_rows):
             _forward_block(activation, fast, pre[s:e], None if scales is None else scales[s:e], act[s:e])
         return pre, act
 
@@ -336,21 +341,10 @@ class TorchCpuBackend(TorchLoopBackend):
             n_out % elems == 0 and k_in % elems == 0 and column_stride == 1 and (row_stride * size) % 16 == 0
         )
 
-    def _offs(self, sizes: list[int]) -> torch.Tensor:
-        """int32 group end offsets ``[G]`` for host ``sizes``, cached (``torch.tensor``
-        costs about 10 us, a large part of a tiny GEMM)."""
-        key = tuple(sizes)
-        offs = self._offs_tables.get(key)
-        if offs is None:
-            ends, total = [], 0
-            for size in sizes:
-                total += size
-                ends.append(total)
-            offs = torch.tensor(ends, dtype=torch.int32)
-            if len(self._offs_tables) >= 64:
-                self._offs_tables.pop(next(iter(self._offs_tables)))
-            self._offs_tables[key] = offs
-        return offs
+    @staticmethod
+    def _offs(sizes: list[int]) -> torch.Tensor:
+        """int32 group end offsets ``[G]`` for host ``sizes``, shared (see ``splits.host_offsets``)."""
+        return host_offsets(sizes)
 
     def _group_tables(
         self, sizes: list[int], device: torch.device, dtype: torch.dtype
