@@ -151,3 +151,48 @@ def test_inductor_lowers_only_what_it_can(dtype, backend, lowered):
     torch.testing.assert_close(out, eager, **tol)
     for got, want in zip(grads, eager_grads):
         torch.testing.assert_close(got, want, **tol)
+
+
+def test_lowered_block_with_varying_token_counts():
+    """The decomposition traces with a symbolic row count: new token counts and split sizes
+    (zero-row experts included) recompile at most once, match eager, and every graph has
+    the lowered GEMMs instead of the opaque op (Inductor's decomposition table, without
+    Inductor's code generation, to keep the test short)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.decomposition import select_decomp_table
+
+    from fusible_ops.kernels.inductor_lowering import register_for_tracing
+
+    torch._dynamo.reset()
+    register_for_tracing()
+    targets = set()
+
+    def compiler(gm, example_inputs):
+        targets.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=select_decomp_table())
+    counter = CompileCounterWithBackend(backend)
+    seq = _block(torch.bfloat16)
+    compiled = torch.compile(seq, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(2)
+    for sizes in ([3, 0, 5, 4], [1, 2, 3, 4], [0, 0, 7, 1], [6, 2, 0, 6]):
+        rows = sum(sizes)
+        x = torch.randn(rows, HIDDEN, generator=gen).to(torch.bfloat16).requires_grad_()
+        probs = torch.rand(rows, generator=gen).requires_grad_()
+        splits = torch.tensor(sizes)
+        results = []
+        for fn in (compiled, seq):
+            out = fn(x, splits, probs, splits)
+            grads = torch.autograd.grad(out.float().square().sum(), [x, probs, *seq.parameters()])
+            results.append((out, grads))
+        (out, grads), (eager, eager_grads) = results
+        torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
+        for got, want in zip(grads, eager_grads):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert counter.frame_count <= 2
+    assert "aten._grouped_mm.default" in targets
+    assert not any("fusible_ops" in t for t in targets), targets
+    torch._dynamo.reset()
