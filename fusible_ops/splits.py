@@ -141,9 +141,11 @@ def host_offsets(host: list[int]) -> torch.Tensor:
         for v in host:
             total += v
             cumulative.append(total)
-        offsets = torch.tensor(cumulative, dtype=torch.int32)
+        # a normal tensor even when first made under inference mode: later calls save it for backward
+        with torch.inference_mode(False):
+            offsets = torch.tensor(cumulative, dtype=torch.int32)
         if len(_HOST_OFFSETS) >= 256:
-            _HOST_OFFSETS.pop(next(iter(_HOST_OFFSETS)))
+            _HOST_OFFSETS.clear()
         _HOST_OFFSETS[key] = offsets
     return offsets
 

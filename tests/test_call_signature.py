@@ -188,3 +188,25 @@ def test_an_op_whose_preflight_reads_values_is_checked_on_every_call():
     op(x, [1, 2], torch.ones(3))
     with pytest.raises(ValueError, match="must be non-negative"):
         op(x, [1, 2], -torch.ones(3))
+
+
+@pytest.mark.parametrize("as_tensor", [True, False])
+def test_offsets_made_under_inference_mode_serve_a_training_call(as_tensor):
+    """Host offsets are shared between calls with the same split sizes; ones first made
+    under inference mode must still be savable for a later call's backward."""
+    splits = [9, 0, 3, 13] if as_tensor else [2, 11, 0, 12]  # sizes no other test uses
+    rows = sum(splits)
+    block = make_block()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, HIDDEN, dtype=torch.float64, generator=gen)
+    probs = torch.rand(rows, dtype=torch.float64, generator=gen)
+    arg = torch.tensor(splits) if as_tensor else splits
+    with torch.inference_mode():
+        block(x, arg, probs, arg)
+    x_, probs_ = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    out = block(x_, arg, probs_, arg)
+    out.square().sum().backward()
+    x_ref, probs_ref = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    reference(block, x_ref, probs_ref, splits).square().sum().backward()
+    torch.testing.assert_close(x_.grad, x_ref.grad)
+    torch.testing.assert_close(probs_.grad, probs_ref.grad)

@@ -68,11 +68,9 @@ class Problem:
     probs: torch.Tensor
     grad_y: torch.Tensor
     splits_tensor: torch.Tensor = field(init=False)
-    offsets: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.splits_tensor = torch.tensor(self.split_sizes, device=self.device)
-        self.offsets = torch.cumsum(self.splits_tensor, 0, dtype=torch.int32)
 
     @property
     def w1(self) -> torch.Tensor:
