@@ -195,22 +195,24 @@ class OperationFuser(HookedSegments):
         kwarg_keys = tuple(
             frozenset(k for k, v in op_kwargs.items() if v is not None) for op_kwargs in kwargs
         )
-        key = (
-            settings,
-            input_meta.dtype,
-            input_meta.device,
-            autocast_state(input_meta.device),
-            tuple(grad_flags),
-            tuple((p.dtype, p.device, type(p)) for op_params in params for p in op_params),
-            kwarg_keys,
-            classes,
-            kinds,
-            tuple(op.training for op in self.ops),
-            registry_version(),
-        )
-        # traced: neither read nor write the cache (Dynamo would guard on its contents and
-        # replay the write, recompiling whenever an eager call adds a plan)
+        # traced: no cache key, no read, no write (Dynamo would guard on the cache's
+        # contents and replay the write, recompiling whenever an eager call adds a plan)
         tracing = torch.compiler.is_compiling()
+        key = None
+        if not tracing:
+            key = (
+                settings,
+                input_meta.dtype,
+                input_meta.device,
+                autocast_state(input_meta.device),
+                tuple(grad_flags),
+                tuple((p.dtype, p.device, type(p)) for op_params in params for p in op_params),
+                kwarg_keys,
+                classes,
+                kinds,
+                tuple(op.training for op in self.ops),
+                registry_version(),
+            )
         plan = None if tracing else self._plans.get(key)
         if plan is None:
             context = FusionContext(
@@ -432,12 +434,14 @@ class OperationFuser(HookedSegments):
         grad_flags = self._grad_flags(input_.requires_grad, extra_inputs, params)
         meta = TensorMeta(tuple(input_.shape), input_.dtype, input_.device)
         plan = self.plan(meta, extra_inputs, kwargs, grad_flags, params)
-        extra_slices = count_slices(self._extra_counts)
-        value_checks = tuple(
-            (i, input_metas[i], extra_slices[i])
-            for i, op in enumerate(self.ops)
-            if type(op).check_values is not BasicOperation.check_values
-        )
+        value_checks: tuple = ()
+        if not torch.compiler.is_compiling():  # traced calls keep no prepared call
+            extra_slices = count_slices(self._extra_counts)
+            value_checks = tuple(
+                (i, input_metas[i], extra_slices[i])
+                for i, op in enumerate(self.ops)
+                if type(op).check_values is not BasicOperation.check_values
+            )
         if not any(flag[0] for flag in grad_flags):
             return PreparedCall(plan, None, value_checks)
         self._check_not_inference(input_, extra_inputs, params)
