@@ -15,7 +15,7 @@ from reference_ops import activation_of, grouped_linear, max_rel_err, offsets_of
 
 import fusible_ops as fo
 from fusible_ops.kernels.activation import ActivationSpec
-from fusible_ops.kernels.inductor_lowering import mlp_backward_math, mlp_forward_math
+from fusible_ops.kernels.inductor_lowering import _traceable, mlp_backward_math, mlp_forward_math
 
 GROUPS, HIDDEN, FFN = 4, 16, 8
 SPECS = [
@@ -118,6 +118,7 @@ def _compiled_code_and_results(seq, dtype, sizes):
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
+    _traceable.cache_clear()  # the dtype probe then runs inside the trace, under its modes
     gen = torch.Generator().manual_seed(1)
     rows = sum(sizes)
     x = torch.randn(rows, HIDDEN, generator=gen).to(dtype).requires_grad_()

@@ -5,9 +5,9 @@ Under ``torch.compile`` the fused expert block is one ``fusible_ops::grouped_mlp
 path, which Inductor can only call: at ``bench --small``'s shape that ran at about twice
 the compiled ``torch._grouped_mm`` composition. So for the ``cpu`` backend the two
 functional ops get an Inductor decomposition: the same computation written with
-``torch._grouped_mm`` (the :class:`~.torch_grouped_mm.TorchGroupedMMBackend` kernels,
-which read no host values) and the activation's reference math, which Inductor fuses
-into generated loops.
+``torch._grouped_mm`` on the device offsets (no host values, nothing in place) and the
+activation's reference math, which Inductor fuses into generated loops. The offsets end
+at the row count (the ops assert it while tracing, see :func:`~fusible_ops.splits.to_split_info`).
 
 Only Inductor (and ``aot_eager_decomp_partition``) use this table. ``aot_eager``,
 ``torch.export`` and dispatch modes (selective activation checkpointing) still see the
@@ -68,12 +68,15 @@ def lowerable(backend: str, *tensors: Tensor | None) -> bool:
 def _traceable(dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm``'s meta function takes ``dtype`` (torch 2.13: bf16 only,
     although the CPU kernel also runs fp16 and fp32)."""
-    try:
-        a = torch.empty(16, 16, dtype=dtype, device="meta")
-        b = torch.empty(2, 16, 16, dtype=dtype, device="meta")
-        torch._grouped_mm(a, b.transpose(-2, -1), offs=torch.empty(2, dtype=torch.int32, device="meta"))
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
+    # called while tracing: probe outside the tracer's dispatch modes
+    with torch.utils._python_dispatch._disable_current_modes():
+        try:
+            a = torch.empty(16, 16, dtype=dtype, device="meta")
+            b = torch.empty(2, 16, 16, dtype=dtype, device="meta")
+            offsets = torch.empty(2, dtype=torch.int32, device="meta")
+            torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
     return True
 
 
