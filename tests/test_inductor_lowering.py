@@ -197,3 +197,29 @@ def test_lowered_block_with_varying_token_counts():
     assert "aten._grouped_mm.default" in targets
     assert not any("fusible_ops" in t for t in targets), targets
     torch._dynamo.reset()
+
+
+def test_traced_graph_carries_the_lowering_fingerprint():
+    """The fused ops get the decomposition's source digest, so PyTorch's on-disk compile
+    caches (keyed on the traced graph) never reuse a graph lowered by other sources."""
+    from fusible_ops.kernels.library import LOWERING_ID
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    seq = _block(torch.bfloat16)
+    compiled = torch.compile(seq, backend=capture, fullgraph=True)
+    sizes = [3, 0, 5, 8]
+    x = torch.randn(sum(sizes), HIDDEN).to(torch.bfloat16).requires_grad_()
+    probs = torch.rand(sum(sizes)).requires_grad_()
+    splits = torch.tensor(sizes)
+    compiled(x, splits, probs, splits).float().sum().backward()
+    assert len(LOWERING_ID) == 16
+    text = "\n".join(graphs)
+    assert "grouped_mlp_forward" in text and "grouped_mlp_backward" in text
+    assert text.count(f"lowering = '{LOWERING_ID}'") >= 2, text
+    torch._dynamo.reset()

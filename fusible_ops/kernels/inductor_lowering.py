@@ -22,19 +22,22 @@ opaque op, and so does Inductor for a call the decomposition declines:
 Registration is lazy: importing fusible_ops does not import Inductor. The ops' fake
 implementations, which run while Dynamo traces, call :func:`register_for_tracing`
 (Inductor's torch 2.13 internals: ``decomposition.decompositions`` and
-``lowering.make_fallback``).
+``lowering.make_fallback``). The functional ops carry :data:`LOWERING_ID`, a digest of the
+sources the decomposition is made from, so that PyTorch's on-disk compile caches, keyed
+on the traced graph, never reuse a graph lowered from other sources.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
+from pathlib import Path
 
 import torch
 
 from .activation import ActivationSpec, activation_backward, activation_forward, row_dot
 from .base import group_ids_from_offsets
-from .library import _k_major, _spec
 from .torch_cpu import _dgrad_operand
 from .torch_grouped_mm import _SUPPORTED_DTYPES, TorchGroupedMMBackend, _aligned_2d, _dense
 
@@ -46,6 +49,34 @@ Tensor = torch.Tensor
 LOWERED_BACKENDS = ("cpu",)
 
 _registered = False
+
+
+def _lowering_fingerprint() -> str:
+    """A digest of the sources Inductor's decomposition of the fused ops is made from.
+
+    Passed to those ops as ``lowering``, it becomes part of the traced graph, which
+    PyTorch's on-disk compile caches key on: a changed decomposition is compiled afresh
+    instead of reusing a graph lowered by the old one.
+    """
+    digest = hashlib.sha256()
+    sources = (
+        "inductor_lowering.py",
+        "activation.py",
+        "base.py",
+        "torch_cpu.py",
+        "torch_grouped_mm.py",
+        "library.py",
+    )
+    for name in sources:
+        try:
+            digest.update(Path(__file__).with_name(name).read_bytes())
+        except OSError:  # sources not on disk (a zipped install): their names must do
+            digest.update(name.encode())
+    return digest.hexdigest()[:16]
+
+
+#: see :func:`_lowering_fingerprint`
+LOWERING_ID = _lowering_fingerprint()
 
 
 def lowerable(backend: str, *tensors: Tensor | None) -> bool:
@@ -103,6 +134,8 @@ def _wgrad(grad_out: Tensor, x: Tensor, offsets: Tensor) -> Tensor:
 
 def _wgrad_like(weight: Tensor, grad_out: Tensor, x: Tensor, offsets: Tensor) -> Tensor:
     """Laid out like ``weight`` (see ``library._wgrad_like``)."""
+    from .library import _k_major  # library imports this module
+
     if _k_major(weight):
         return _wgrad(x, grad_out, offsets).transpose(-2, -1)
     return _wgrad(grad_out, x, offsets)
@@ -115,16 +148,20 @@ def _bias_grad(grad_out: Tensor, offsets: Tensor, groups: int) -> Tensor:
     return torch.index_add(acc, 0, ids, grad_out.to(acc_dtype)).to(grad_out.dtype)
 
 
-def _mlp_forward(x, w1, b1, w2, b2, scales, offsets, host_sizes, backend, *flags):
+def _mlp_forward(x, w1, b1, w2, b2, scales, offsets, host_sizes, backend, *flags, lowering=""):
     if not lowerable(backend, x, w1, w2):
         return NotImplemented
+    from .library import _spec
+
     *spec_args, scale_after_fc2 = flags
     return mlp_forward_math(x, w1, b1, w2, b2, scales, offsets, _spec(*spec_args), scale_after_fc2)
 
 
-def _mlp_backward(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, backend, *rest):
+def _mlp_backward(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, backend, *rest, lowering=""):
     if not lowerable(backend, dy, w1, w2, x, pre):
         return NotImplemented
+    from .library import _spec
+
     *spec_args, scale_after_fc2, needs = rest
     return mlp_backward_math(
         dy, x, pre, w1, w2, b2, scales, offsets, _spec(*spec_args), scale_after_fc2, tuple(needs)

@@ -30,6 +30,7 @@ from ..splits import SplitInfo as Splits
 from .activation import ActivationSpec, row_dot
 from .base import GroupedGemmBackend, group_ids_from_offsets
 from .grouped_checks import host_split_sizes
+from .inductor_lowering import LOWERING_ID, register_for_tracing
 
 Tensor = torch.Tensor
 
@@ -52,12 +53,6 @@ def _host(offsets: Tensor, host_sizes: Tensor | None) -> list[int] | None:
     if offsets.device.type == "cpu":
         return host_split_sizes(None, offsets)  # also refuses decreasing offsets
     return None
-
-
-def _lowering():
-    from . import inductor_lowering  # imports this module
-
-    return inductor_lowering
 
 
 def _spec(kind: str, limit: float, alpha: float, glu_linear_offset: float, interleave: int) -> ActivationSpec:
@@ -162,7 +157,7 @@ def _mlp_forward(
     )
 
 
-def _mlp_forward_op(*args):
+def _mlp_forward_op(*args, lowering: str = ""):
     return _mlp_forward(args[:8], args[8], args[9:])
 
 
@@ -172,8 +167,8 @@ def _mlp_forward_out_op(*args):
     return pre
 
 
-def _mlp_forward_fake(x, w1, b1, w2, b2, scales, offsets, host_sizes, *rest):
-    _lowering().register_for_tracing()  # tracing: Inductor may lower the op
+def _mlp_forward_fake(x, w1, b1, w2, b2, scales, offsets, host_sizes, *rest, lowering: str = ""):
+    register_for_tracing()  # tracing: Inductor may lower the op
     return x.new_empty(x.shape[0], w1.shape[1]), x.new_empty(x.shape[0], w2.shape[1])
 
 
@@ -261,7 +256,7 @@ def _mlp_backward(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, grad_inpu
     return tuple(dy.new_empty(0) if g is None else g for g in grads)
 
 
-def _mlp_backward_op(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, backend, *rest):
+def _mlp_backward_op(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, backend, *rest, lowering=""):
     """``(grad_input, grad_w1, grad_b1, grad_w2, grad_b2, grad_scales)``, empty where not needed."""
     return _mlp_backward(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, None, backend, rest)
 
@@ -288,8 +283,8 @@ def _mlp_grad_fakes(dy, w1, w2, scales, needs) -> list[Tensor]:
     return fakes
 
 
-def _mlp_backward_fake(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, backend, *rest):
-    _lowering().register_for_tracing()
+def _mlp_backward_fake(dy, x, pre, w1, w2, b2, scales, offsets, host_sizes, backend, *rest, lowering=""):
+    register_for_tracing()
     return tuple(_mlp_grad_fakes(dy, w1, w2, scales, rest[-1]))
 
 
@@ -308,6 +303,8 @@ _MLP_BWD = (
     "Tensor? host_sizes"
 )
 _MLP_FLAGS = f"{_SPEC}, bool scale_after_fc2"
+#: the functional fused ops, which Inductor may lower, carry the lowering's fingerprint
+_LOWERING_ARG = 'str lowering=""'
 _FIVE = "(Tensor, Tensor, Tensor, Tensor, Tensor)"
 
 #: name -> (schema, implementation, fake implementation)
@@ -327,7 +324,7 @@ _OPS = {
         _bias_grad_fake,
     ),
     "grouped_mlp_forward": (
-        f"({_MLP_FWD}, str backend, {_MLP_FLAGS}) -> (Tensor, Tensor)",
+        f"({_MLP_FWD}, str backend, {_MLP_FLAGS}, *, {_LOWERING_ARG}) -> (Tensor, Tensor)",
         _mlp_forward_op,
         _mlp_forward_fake,
     ),
@@ -337,7 +334,7 @@ _OPS = {
         _mlp_forward_out_fake,
     ),
     "grouped_mlp_backward": (
-        f"({_MLP_BWD}, str backend, {_MLP_FLAGS}, bool[] needs) -> (Tensor, {_FIVE[1:]}",
+        f"({_MLP_BWD}, str backend, {_MLP_FLAGS}, bool[] needs, *, {_LOWERING_ARG}) -> (Tensor, {_FIVE[1:]}",
         _mlp_backward_op,
         _mlp_backward_fake,
     ),
@@ -439,7 +436,7 @@ def mlp_forward(
     if out is not None and torch.compiler.is_compiling():
         pre = torch.ops.fusible_ops.grouped_mlp_forward_out(*args, out, kernels.name, *flags)
         return pre, out
-    pre, y = torch.ops.fusible_ops.grouped_mlp_forward(*args, kernels.name, *flags)
+    pre, y = torch.ops.fusible_ops.grouped_mlp_forward(*args, kernels.name, *flags, lowering=LOWERING_ID)
     return pre, _write(out, y)
 
 
@@ -483,7 +480,7 @@ def mlp_backward(
         grads = torch.ops.fusible_ops.grouped_mlp_backward_out(*args, grad_input_out, kernels.name, *flags)
         grads = (grad_input_out, *grads)
     else:
-        grads = torch.ops.fusible_ops.grouped_mlp_backward(*args, kernels.name, *flags)
+        grads = torch.ops.fusible_ops.grouped_mlp_backward(*args, kernels.name, *flags, lowering=LOWERING_ID)
         if needs[0]:
             grads = (_write(grad_input_out, grads[0]), *grads[1:])
     return tuple(g if need else None for g, need in zip(grads, needs))
