@@ -220,8 +220,8 @@ def register_for_tracing() -> None:
     """Add the decompositions to Inductor's table (idempotent; called while tracing).
 
     Called from the ops' fake implementations, which run while Dynamo traces, before
-    Inductor reads its table. Imports Inductor (about a second, once) only when Dynamo
-    is loaded, never for plain fake-tensor use. Each op also gets its fallback lowering
+    Inductor reads its table. Imports Inductor (about a second, once) only in a process
+    that has loaded Dynamo, so importing fusible_ops never does. Each op also gets its fallback lowering
     up front: Inductor refuses to make one later for an op that has a decomposition,
     and a declined call needs it.
     """
