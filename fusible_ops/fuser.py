@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -484,10 +485,8 @@ class OperationFuser(HookedSegments):
             ctx = OperationContext()
             ctx.params = params
             ctxs.append(ctx)
-        if torch.is_grad_enabled():  # inputs that need no gradient
-            with torch.no_grad():
-                x, extra_outputs, _ = run_forward(plan, self.ops, ctxs, input_, extra_inputs, kwargs)
-        else:
+        # inputs that need no gradient; under no_grad already, no second context
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             x, extra_outputs, _ = run_forward(plan, self.ops, ctxs, input_, extra_inputs, kwargs)
         flat_extra_outputs = [t for outs in extra_outputs for t in outs]
         return (x, *flat_extra_outputs) if flat_extra_outputs else x

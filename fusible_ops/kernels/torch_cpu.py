@@ -78,15 +78,17 @@ def _blocks(start: int, end: int, block: int):
         yield s, min(s + block, end)
 
 
+def _swiglu(pre: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * linear`` of gate-first halves, as a fresh tensor."""
+    n = pre.shape[-1] // 2
+    return torch.nn.functional.silu(pre[:, :n]).mul_(pre[:, n:])
+
+
 def _forward_block(
     spec: ActivationSpec, fast: bool, pre: torch.Tensor, scales: torch.Tensor | None, out: torch.Tensor
 ) -> None:
     """``out = act(pre) (* scales)`` for one row block (``fast``: SwiGLU, gate-first halves, by hand)."""
-    if fast:
-        n = pre.shape[-1] // 2
-        act = torch.nn.functional.silu(pre[:, :n]).mul_(pre[:, n:])
-    else:
-        act = activation_forward(spec, pre)
+    act = _swiglu(pre) if fast else activation_forward(spec, pre)
     _store_act(act, None if scales is None else scales.to(act.dtype).unsqueeze(-1), out)
 
 
@@ -285,8 +287,7 @@ class TorchCpuBackend(TorchLoopBackend):
         fast = self._is_fast_swiglu(activation)
         block_rows = self._block_rows(pre)
         if fast and pre.shape[0] <= block_rows:  # one block: no output buffer, no copy into it
-            n = pre.shape[1] // 2
-            act = torch.nn.functional.silu(pre[:, :n]).mul_(pre[:, n:])
+            act = _swiglu(pre)
             return pre, act if scales is None else act.mul_(scales.to(act.dtype).unsqueeze(-1))
         act = self._empty((pre.shape[0], activation.output_features(pre.shape[1])), pre)
         for s, e in _blocks(0, pre.shape[0], block_rows):
