@@ -27,6 +27,23 @@ def _shape(value: Any) -> str:
 
 def check_forward_result(op: object, result: Any, extra_output_counts: Sequence[int]) -> None:
     """``result`` is ``(output, [extra outputs of each basic op])``."""
+    # the common case in one pass; the messages are built only for a result that fails
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        output, per_op = result
+        if (
+            isinstance(output, torch.Tensor)
+            and isinstance(per_op, (tuple, list))
+            and len(per_op) == len(extra_output_counts)
+            and all(
+                isinstance(outs, (tuple, list)) and len(outs) == wanted
+                for outs, wanted in zip(per_op, extra_output_counts)
+            )
+        ):
+            return
+    _explain_forward_result(op, result, extra_output_counts)
+
+
+def _explain_forward_result(op: object, result: Any, extra_output_counts: Sequence[int]) -> None:
     where = f"{_op_label(op)}.fuser_forward"
     count = len(extra_output_counts)
     expected = f"(output tensor, a list of {count} tuples: each basic op's extra outputs)"
@@ -58,56 +75,69 @@ def check_backward_result(
     the order their gradients come; ``input_shape``: the shape of the entry's main input
     (None: not checked, while tracing).
     """
-    where = f"{_op_label(op)}.fuser_backward"
     count = len(params)
-    expected = (
-        f"(grad_input, a list of {count} lists of parameter gradients, a list of {count} tuples of "
-        "extra-input gradients), one entry per basic op"
-    )
+    # the messages are built only when a check fails: this runs on every backward
     if not isinstance(result, (tuple, list)) or len(result) != 3:
-        raise TypeError(f"{where} returned {_shape(result)}; expected {expected}")
+        raise TypeError(
+            f"{_backward_where(op)} returned {_shape(result)}; expected {_backward_expected(count)}"
+        )
     grad_input, grad_params, grad_extra = result
     if grad_input is not None:
         if not isinstance(grad_input, torch.Tensor):
-            raise TypeError(f"{where} returned {_shape(grad_input)} as grad_input; expected a tensor or None")
+            raise TypeError(
+                f"{_backward_where(op)} returned {_shape(grad_input)} as grad_input; expected a tensor or None"
+            )
         if input_shape is not None and tuple(grad_input.shape) != tuple(input_shape):
             raise RuntimeError(
-                f"{where} returned a grad_input of shape {list(grad_input.shape)}; the input had shape "
+                f"{_backward_where(op)} returned a grad_input of shape {list(grad_input.shape)}; the input had shape "
                 f"{list(input_shape)}"
             )
     for name, per_op in (("parameter gradients", grad_params), ("extra-input gradients", grad_extra)):
         if not isinstance(per_op, (tuple, list)) or len(per_op) != count:
-            raise TypeError(f"{where} returned {_shape(per_op)} as {name}; expected {expected}")
+            raise TypeError(
+                f"{_backward_where(op)} returned {_shape(per_op)} as {name}; expected {_backward_expected(count)}"
+            )
     for index, (grads, op_params) in enumerate(zip(grad_params, params)):
-        _check_param_grads(where, index, grads, op_params, expected)
+        _check_param_grads(op, count, index, grads, op_params)
     for index, (grads, wanted) in enumerate(zip(grad_extra, extra_counts)):
         if grads is None or (isinstance(grads, (tuple, list)) and len(grads) in (0, wanted)):
             continue
         raise TypeError(
-            f"{where}: the extra-input gradients of basic op {index} are {_shape(grads)}; expected a "
-            f"tuple of {wanted} (tensor or None) (expected structure: {expected})"
+            f"{_backward_where(op)}: the extra-input gradients of basic op {index} are {_shape(grads)}; expected a "
+            f"tuple of {wanted} (tensor or None) (expected structure: {_backward_expected(count)})"
         )
 
 
+def _backward_where(op: object) -> str:
+    return f"{_op_label(op)}.fuser_backward"
+
+
+def _backward_expected(count: int) -> str:
+    return (
+        f"(grad_input, a list of {count} lists of parameter gradients, a list of {count} tuples of "
+        "extra-input gradients), one entry per basic op"
+    )
+
+
 def _check_param_grads(
-    where: str, index: int, grads: Any, op_params: Sequence[torch.Tensor], expected: str
+    op: object, count: int, index: int, grads: Any, op_params: Sequence[torch.Tensor]
 ) -> None:
     if grads is None or (isinstance(grads, (tuple, list)) and not grads):
         return  # no parameter gradients for this op
     if not isinstance(grads, (tuple, list)) or len(grads) != len(op_params):
         raise TypeError(
-            f"{where}: the parameter gradients of basic op {index} are {_shape(grads)}; expected a list "
-            f"of {len(op_params)} (tensor or None), one per parameter (expected structure: {expected})"
+            f"{_backward_where(op)}: the parameter gradients of basic op {index} are {_shape(grads)}; expected a list "
+            f"of {len(op_params)} (tensor or None), one per parameter (expected structure: {_backward_expected(count)})"
         )
     for k, (grad, param) in enumerate(zip(grads, op_params)):
         if grad is None:
             continue
         if not isinstance(grad, torch.Tensor):
             raise TypeError(
-                f"{where}: gradient {k} of basic op {index} is {_shape(grad)}; expected a tensor or None"
+                f"{_backward_where(op)}: gradient {k} of basic op {index} is {_shape(grad)}; expected a tensor or None"
             )
         if not torch.compiler.is_compiling() and grad.shape != param.shape:
             raise RuntimeError(
-                f"{where}: gradient {k} of basic op {index} has shape {list(grad.shape)}; the parameter "
+                f"{_backward_where(op)}: gradient {k} of basic op {index} has shape {list(grad.shape)}; the parameter "
                 f"has shape {list(param.shape)}"
             )

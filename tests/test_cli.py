@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -288,3 +289,18 @@ def test_small_overhead_benchmark_runs_and_checks_its_variants(capsys):
     assert module.main(["--dtype", "float32", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     assert "kernels only" in out and "[forward+backward]" in out
+
+
+def test_interleaved_rounds_vary_the_order_of_the_variants():
+    """A fixed order hands the slow slot (after the cache-thrashing variant) to one variant
+    every round; each round runs them in a new order, every variant once."""
+    calls: list[str] = []
+    variants = {name: (lambda p, backward, name=name: calls.append(name)) for name in "abcd"}
+    problem = SimpleNamespace(experts=torch.nn.Linear(1, 1), device=torch.device("cpu"))
+    times = bench.time_interleaved(variants, problem, False, repeats=40, warmup=2)
+    assert {name: len(samples) for name, samples in times.items()} == dict.fromkeys("abcd", 40)
+    rounds = [calls[i : i + 4] for i in range(0, len(calls), 4)]
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    for name in "abcd":  # every variant follows several different ones (rounds wrap around)
+        before = {calls[i - 1] for i in range(1, len(calls)) if calls[i] == name}
+        assert len(before) >= 3, (name, before)

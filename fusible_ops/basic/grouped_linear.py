@@ -13,6 +13,7 @@ from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
 from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from ..settings import current_settings
+from ..shapes import as_rows
 from ..splits import SplitInfo, check_split_sizes, to_split_info
 
 
@@ -198,7 +199,7 @@ class GroupedLinear(BasicOperation):
     ) -> torch.Tensor:
         dtype = compute_dtype(input_.dtype, input_.device)
         weight_param = ctx.params["weight"]
-        x = cast(input_.reshape(-1, self.in_features), dtype)
+        x = cast(as_rows(input_, self.in_features), dtype)
         weight, bias = cast(self.weight_out_in(weight_param), dtype), cast(ctx.params["bias"], dtype)
         splits = to_split_info(split_sizes, x.shape[0], x.device)
         backend: GroupedGemmBackend = ctx.backend_choice.backend  # the plan's choice
@@ -223,7 +224,7 @@ class GroupedLinear(BasicOperation):
         backend: GroupedGemmBackend = ctx.backend
         weight_param, bias_param = ctx.params["weight"], ctx.params["bias"]
         splits = SplitInfo(ctx.host_splits, saved["offsets"], saved["host_sizes"])
-        dy = cast(grad_output.reshape(-1, self.out_features), ctx.compute_dtype)
+        dy = cast(as_rows(grad_output, self.out_features), ctx.compute_dtype)
         if not dy.is_contiguous():
             dy = dy.contiguous()
         grad_input = None

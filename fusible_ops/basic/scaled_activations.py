@@ -14,6 +14,7 @@ import torch
 from ..kernels.activation import ActivationSpec, scaled_activation_backward, scaled_activation_forward
 from ..kernels.grouped_checks import check_row_scales
 from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
+from ..shapes import as_flat, as_rows
 from .activations import check_activation_input
 
 
@@ -49,8 +50,8 @@ class ScaledActivation(BasicOperation):
         return out
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        x = input_.reshape(-1, input_.shape[-1])
-        flat_scales = scales.reshape(-1)
+        x = as_rows(input_, input_.shape[-1])
+        flat_scales = as_flat(scales)
         out = scaled_activation_forward(self.spec, x, flat_scales)
         if ctx.requires_grad:
             ctx.save_for_backward(input=x, scales=flat_scales)
@@ -60,7 +61,7 @@ class ScaledActivation(BasicOperation):
         return out.view(*input_.shape[:-1], out.shape[-1])
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
-        dy = grad_output.reshape(-1, grad_output.shape[-1])
+        dy = as_rows(grad_output, grad_output.shape[-1])
         grad_input, grad_scales = scaled_activation_backward(
             self.spec, ctx.saved["input"], ctx.saved["scales"], dy
         )

@@ -20,6 +20,7 @@ hits all of them alike; medians are reported:
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import sys
 import time
@@ -220,12 +221,20 @@ def time_interleaved(
 ) -> dict[str, list[float]]:
     """Seconds per call of every variant, one call of each per round.
 
-    ``progress``, when given, gets one line per variant and round (warm-up rounds included).
+    Each round runs the variants in a fresh (seeded) random order. What ran just before a
+    call, and what it left in the caches, changes a tiny call's time by 10-30% on a CPU
+    (measured: the variant after ``dense`` is the slow one); a fixed order would hand
+    that to the same variant every round. ``progress``, when given, gets one line per
+    variant and round (warm-up rounds included).
     """
     mode = "forward+backward" if backward else "forward"
     times: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    shuffle = random.Random(0).shuffle
     for round_index in range(warmup + repeats):
-        for name, fn in variants.items():
+        shuffle(order)
+        for name in order:
+            fn = variants[name]
             for param in p.experts.parameters():
                 param.grad = None
             _sync(p.device)

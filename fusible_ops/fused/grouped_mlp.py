@@ -26,6 +26,7 @@ from ..kernels import BackendChoice, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.activation import EXPERT_BLOCK_KINDS, ActivationSpec
 from ..op import BasicOperation, FusedBackward, FusedForward, FusedOperation, OperationContext
+from ..shapes import as_flat, as_rows
 from ..splits import SplitInfo, to_split_info
 
 SUPPORTED_ACTIVATIONS = EXPERT_BLOCK_KINDS  # read from the activation table
@@ -61,12 +62,12 @@ class GroupedMLP(FusedOperation):
         ctx1: OperationContext = basic_op_ctxs[0]
         p1, p2 = basic_op_ctxs[0].params, basic_op_ctxs[2].params
         dtype = compute_dtype(input_.dtype, input_.device)
-        x = cast(input_.reshape(-1, fc1.in_features), dtype)
+        x = cast(as_rows(input_, fc1.in_features), dtype)
         w1, w2 = cast(fc1.weight_out_in(p1["weight"]), dtype), cast(fc2.weight_out_in(p2["weight"]), dtype)
         b1, b2 = cast(p1["bias"], dtype), cast(p2["bias"], dtype)
         splits = to_split_info(basic_op_extra_inputs[0][0], x.shape[0], x.device)
         scales_in = basic_op_extra_inputs[self._scales_position()][0]
-        scales = scales_in.reshape(-1)
+        scales = as_flat(scales_in)
         out_shape = (*input_.shape[:-1], fc2.out_features)
         # buffers were checked in preflight: only the first rows are taken here
         out2d = buffer_rows(basic_op_kwargs[2].get(OUTPUT_BUFFER_KEY), x.shape[0], fc2.out_features)
@@ -101,7 +102,7 @@ class GroupedMLP(FusedOperation):
         p1, p2 = ctx1.params, ctx2.params
         w1, w2 = cast(fc1.weight_out_in(p1["weight"]), dtype), cast(fc2.weight_out_in(p2["weight"]), dtype)
         b2 = cast(p2["bias"], dtype)
-        dy = cast(grad_output.reshape(-1, fc2.out_features), dtype)
+        dy = cast(as_rows(grad_output, fc2.out_features), dtype)
         if not dy.is_contiguous():
             dy = dy.contiguous()
         needs = (
@@ -117,9 +118,9 @@ class GroupedMLP(FusedOperation):
             self.choice.backend, dy, saved["x"], saved["pre"], w1, w2, b2, saved["scales"], splits, self.spec,
             scale_after_fc2=self.scale_after_fc2, needs=needs, grad_input_out=out,
         )  # fmt: skip
-        if grad_input is not None:
+        if grad_input is not None and grad_input.shape != ctx1.input_shape:
             grad_input = grad_input.view(ctx1.input_shape)
-        if grad_scales is not None:
+        if grad_scales is not None and grad_scales.shape != ctx1.scales_shape:
             grad_scales = grad_scales.view(ctx1.scales_shape)
         grad_params = [
             _param_grads(p1, _in_layout(fc1, grad_w1), grad_b1),

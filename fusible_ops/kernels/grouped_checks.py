@@ -32,13 +32,15 @@ def check_operands(
     ``lhs`` is the row-grouped ``[M, *]`` operand. ``rhs`` is the grouped weight
     ``[G, N, K]``, a second row-grouped ``[M, *]`` operand (wgrad), or None (bias_grad).
     """
-    for name, t in ((lhs_name, lhs), (rhs_name, rhs)):
-        if t is not None and not t.is_floating_point():
-            raise TypeError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
-    if rhs is not None and lhs.dtype != rhs.dtype:
-        raise TypeError(f"{where}: {lhs_name} dtype {lhs.dtype} != {rhs_name} dtype {rhs.dtype}")
-    if rhs is not None and lhs.device != rhs.device:
-        raise ValueError(f"{where}: {lhs_name} is on {lhs.device} but {rhs_name} is on {rhs.device}")
+    if not lhs.is_floating_point():
+        raise TypeError(f"{where}: {lhs_name} must be a floating-point tensor, got {lhs.dtype}")
+    if rhs is not None:
+        if not rhs.is_floating_point():
+            raise TypeError(f"{where}: {rhs_name} must be a floating-point tensor, got {rhs.dtype}")
+        if lhs.dtype != rhs.dtype:
+            raise TypeError(f"{where}: {lhs_name} dtype {lhs.dtype} != {rhs_name} dtype {rhs.dtype}")
+        if lhs.device != rhs.device:
+            raise ValueError(f"{where}: {lhs_name} is on {lhs.device} but {rhs_name} is on {rhs.device}")
     if lhs.dim() != 2:
         raise ValueError(f"{where}: {lhs_name} must be 2-D [rows, features], got shape {tuple(lhs.shape)}")
     if offsets.dim() != 1 or offsets.is_floating_point():
@@ -194,4 +196,4 @@ def check_row_scales(where: str, scales: object, rows: int, device: torch.device
         )
     if scales.device != device:
         raise ValueError(f"{where}: scales are on {scales.device} but the input is on {device}")
-    return scales.reshape(rows)
+    return scales if scales.dim() == 1 else scales.reshape(rows)

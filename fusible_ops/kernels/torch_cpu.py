@@ -80,8 +80,8 @@ def _blocks(start: int, end: int, block: int):
 
 def _swiglu(pre: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * linear`` of gate-first halves, as a fresh tensor."""
-    n = pre.shape[-1] // 2
-    return torch.nn.functional.silu(pre[:, :n]).mul_(pre[:, n:])
+    gate, linear = pre.chunk(2, dim=-1)  # one op for both halves
+    return torch.nn.functional.silu(gate).mul_(linear)
 
 
 def _forward_block(
@@ -137,16 +137,16 @@ def _backward_block(
         grad_pre.copy_(activation_backward(spec, pre, grad_act))
         _store_act(act, scale_col, act_out)
         return
-    n = pre.shape[-1] // 2
-    gate, linear = pre[:, :n], pre[:, n:]
+    gate, linear = pre.chunk(2, dim=-1)  # one op for both halves
+    grad_gate, grad_linear = grad_pre.chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     silu = gate * sig
     act = silu * linear
     grad_act, scale_col = _scale_grad(act, grad_out, scales, grad_scales)
-    torch.mul(grad_act, silu, out=grad_pre[:, n:])
+    torch.mul(grad_act, silu, out=grad_linear)
     # d silu / d gate = sig + silu * (1 - sig); times linear for the gate's gradient
     dsilu = silu.addcmul_(silu, sig, value=-1).add_(sig).mul_(linear)
-    torch.mul(grad_act, dsilu, out=grad_pre[:, :n])
+    torch.mul(grad_act, dsilu, out=grad_gate)
     _store_act(act, scale_col, act_out)
 
 
@@ -312,6 +312,9 @@ class TorchCpuBackend(TorchLoopBackend):
             if tail is not None and covered < rows:
                 tail[covered:].zero_()
         fast = self._is_fast_swiglu(activation)
+        if covered == rows and rows <= self._block_rows(pre):  # one block: the whole tensors, no slices
+            _backward_block(activation, fast, pre, scales, act, grad_pre, grad_scales, act)
+            return grad_pre, grad_scales, act
         for s, e in _blocks(0, covered, self._block_rows(pre)):
             block_scales = None if scales is None else scales[s:e]
             block_grad_scales = None if grad_scales is None else grad_scales[s:e]
