@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +10,7 @@ import torch
 
 from .buffers import GRAD_BUFFER_WRITES, GRAD_INPUT_BUFFER_KEY, call_buffers, check_call_buffers
 from .dtypes import compute_dtype
-from .fuser_function import CallState, FuserFunction, count_slices, dedupe_args, run_forward
+from .fuser_function import CallState, FuserFunction, count_slices, dedupe_args, run_without_grad
 from .fuser_hooks import HookedSegments, decision_in_sequential
 from .fuser_signature import BoundedCache, PreparedCall, autocast_state, call_signature
 from .fusion_rules import (
@@ -21,7 +20,8 @@ from .fusion_rules import (
     registered_rules,
     registry_version,
 )
-from .op import BasicOperation, OperationContext, TensorMeta, preflight_is_static
+from .kernels.signature_checks import SignatureChecks, plan_takes_part
+from .op import BasicOperation, TensorMeta, preflight_is_static
 from .plan import FusionPlan, PlanEntry
 from .settings import current_settings
 from .splits import start_call
@@ -417,7 +417,8 @@ class OperationFuser(HookedSegments):
         if kwargs is None:
             kwargs = [{} for _ in self.ops]
         per_op_extra = self.split_extra_inputs(extra_inputs)
-        return self._run_inference(prepared.plan, input_, per_op_extra, kwargs, param_dicts)
+        checks = prepared.signature_checks
+        return run_without_grad(prepared.plan, self.ops, input_, per_op_extra, kwargs, param_dicts, checks)
 
     def _prepare(
         self,
@@ -443,8 +444,10 @@ class OperationFuser(HookedSegments):
                 for i, op in enumerate(self.ops)
                 if type(op).check_values is not BasicOperation.check_values
             )
+        # traced calls keep no prepared call: nothing to remember
+        checks = None if torch.compiler.is_compiling() else SignatureChecks(plan_takes_part(plan))
         if not any(flag[0] for flag in grad_flags):
-            return PreparedCall(plan, None, value_checks)
+            return PreparedCall(plan, None, value_checks, checks)
         self._check_not_inference(input_, extra_inputs, params)
         tracing = torch.compiler.is_compiling()
         state = CallState(
@@ -469,24 +472,6 @@ class OperationFuser(HookedSegments):
                 if isinstance(k.get(GRAD_INPUT_BUFFER_KEY), torch.Tensor)
             ],
             forward_time=0 if tracing else GRAD_BUFFER_WRITES.now(),
+            signature_checks=checks,
         )
-        return PreparedCall(plan, state, value_checks)
-
-    def _run_inference(
-        self,
-        plan: FusionPlan,
-        input_: torch.Tensor,
-        extra_inputs: list[tuple],
-        kwargs: list[dict],
-        param_dicts: list[dict[str, torch.Tensor | None]],
-    ):
-        ctxs = []
-        for params in param_dicts:
-            ctx = OperationContext()
-            ctx.params = params
-            ctxs.append(ctx)
-        # inputs that need no gradient; under no_grad already, no second context
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-            x, extra_outputs, _ = run_forward(plan, self.ops, ctxs, input_, extra_inputs, kwargs)
-        flat_extra_outputs = [t for outs in extra_outputs for t in outs]
-        return (x, *flat_extra_outputs) if flat_extra_outputs else x
+        return PreparedCall(plan, state, value_checks, checks)

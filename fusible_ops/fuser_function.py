@@ -7,6 +7,7 @@ saved and never mutates anything forward created.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from .buffers import GRAD_BUFFER_WRITES, GRAD_INPUT_BUFFER_KEY, tensors_overlap
+from .kernels.signature_checks import SignatureChecks, checked_arguments
 from .op import BasicOperation, OperationContext
 from .op_contract import check_backward_result, check_forward_result
 from .plan import FusionPlan
@@ -47,6 +49,8 @@ class CallState:
     grad_buffers: list[tuple[int, torch.Tensor]]
     #: when forward ran (see :class:`~fusible_ops.buffers.GradBufferWrites`)
     forward_time: int
+    #: whether this signature's backend calls passed their argument checks once (None while tracing)
+    signature_checks: SignatureChecks | None = None
     #: derived once: each op's slice of the flattened extra inputs and of the parameters
     extra_slices: list[slice] = field(init=False)
     param_counts: list[int] = field(init=False)
@@ -209,6 +213,40 @@ def run_forward(
     return x, extra_outputs, input_shapes
 
 
+def run_checked_forward(checks: SignatureChecks | None, *args: Any):
+    """:func:`run_forward`, skipping the backends' argument checks when this call signature's
+    forward passed them once (see :mod:`~fusible_ops.kernels.signature_checks`)."""
+    if checks is not None and checks.forward:
+        with checked_arguments(True):
+            return run_forward(*args)
+    result = run_forward(*args)
+    if checks is not None and checks.takes_part:
+        checks.forward = True  # this call ran every check and got through
+    return result
+
+
+def run_without_grad(
+    plan: FusionPlan,
+    ops: list[BasicOperation],
+    input_: torch.Tensor,
+    extra_inputs: list[tuple],
+    kwargs: list[dict],
+    param_dicts: list[dict[str, torch.Tensor | None]],
+    checks: SignatureChecks | None = None,
+):
+    """A call in which nothing needs a gradient: the plan runs directly, no autograd Function."""
+    ctxs = []
+    for params in param_dicts:
+        ctx = OperationContext()
+        ctx.params = params
+        ctxs.append(ctx)
+    # inputs that need no gradient; under no_grad already, no second context
+    with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+        x, extra_outputs, _ = run_checked_forward(checks, plan, ops, ctxs, input_, extra_inputs, kwargs)
+    flat_extra_outputs = [t for outs in extra_outputs for t in outs]
+    return (x, *flat_extra_outputs) if flat_extra_outputs else x
+
+
 class FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, input_: torch.Tensor, state: CallState, *unique_args: Any):
@@ -230,8 +268,8 @@ class FuserFunction(torch.autograd.Function):
                 ctx.grad_input_buffer = op_kwargs.get(GRAD_INPUT_BUFFER_KEY)
             ctxs.append(ctx)
 
-        x, extra_outputs, input_shapes = run_forward(
-            state.plan, state.ops, ctxs, input_, extra_inputs, state.kwargs
+        x, extra_outputs, input_shapes = run_checked_forward(
+            state.signature_checks, state.plan, state.ops, ctxs, input_, extra_inputs, state.kwargs
         )
 
         if state.plan.requires_grad:
@@ -285,33 +323,18 @@ class FuserFunction(torch.autograd.Function):
             ctxs[0].grad_input_buffer = None
 
         grad_extra_outputs = [tuple(grad_extra_outputs_flat[part]) for part in state.output_slices]
-        param_counts = state.param_counts
-        grad_params: list[list[torch.Tensor | None]] = [[None] * n for n in param_counts]
-        grad_extra_inputs: list[tuple] = [(None,) * n for n in state.extra_counts]
-        grad = grad_output
-        for entry in reversed(state.plan.backward):
-            idx = entry.indices
-            if not any(ctxs[i].requires_grad for i in idx):
-                # grad requirements only switch on along the chain: nothing before needs grad
-                grad = None
-                break
-            result = entry.op.fuser_backward(
-                [ctxs[i] for i in idx],
-                grad,
-                basic_op_grad_extra_outputs=[grad_extra_outputs[i] for i in idx],
+        checks = state.signature_checks
+        if checks is not None and checks.backward:
+            with checked_arguments(True):
+                grad, grad_params, grad_extra_inputs = _run_backward(
+                    func_ctx, ctxs, params, grad_output, grad_extra_outputs
+                )
+        else:
+            grad, grad_params, grad_extra_inputs = _run_backward(
+                func_ctx, ctxs, params, grad_output, grad_extra_outputs
             )
-            shapes = func_ctx.input_shapes
-            check_backward_result(
-                entry.op,
-                result,
-                None if shapes is None else shapes.get(idx[0]),
-                [[t for t in params[i].values() if t is not None] for i in idx],
-                [state.extra_counts[i] for i in idx],
-            )
-            grad, op_grad_params, op_grad_extra = result
-            for i, g_params, g_extra in zip(idx, op_grad_params, op_grad_extra):
-                grad_params[i] = list(g_params) if g_params else [None] * param_counts[i]
-                grad_extra_inputs[i] = tuple(g_extra) if g_extra else (None,) * state.extra_counts[i]
+            if checks is not None and checks.takes_part:
+                checks.backward = True  # this backward ran every check and got through
         if state.grad_buffers:
             _record_grad_buffer_writes(state, ctxs)
         flat_grads = [g for grads in grad_extra_inputs for g in grads]
@@ -322,3 +345,36 @@ class FuserFunction(torch.autograd.Function):
                 known = unique_grads[slot]
                 unique_grads[slot] = g if known is None else known + g
         return (grad, None, *unique_grads)
+
+
+def _run_backward(func_ctx, ctxs: list[OperationContext], params, grad_output, grad_extra_outputs):
+    """The plan's backward entries, last first: ``(grad input, param grads, extra-input grads)``."""
+    state: CallState = func_ctx.state
+    param_counts = state.param_counts
+    grad_params: list[list[torch.Tensor | None]] = [[None] * n for n in param_counts]
+    grad_extra_inputs: list[tuple] = [(None,) * n for n in state.extra_counts]
+    grad = grad_output
+    for entry in reversed(state.plan.backward):
+        idx = entry.indices
+        if not any(ctxs[i].requires_grad for i in idx):
+            # grad requirements only switch on along the chain: nothing before needs grad
+            grad = None
+            break
+        result = entry.op.fuser_backward(
+            [ctxs[i] for i in idx],
+            grad,
+            basic_op_grad_extra_outputs=[grad_extra_outputs[i] for i in idx],
+        )
+        shapes = func_ctx.input_shapes
+        check_backward_result(
+            entry.op,
+            result,
+            None if shapes is None else shapes.get(idx[0]),
+            [[t for t in params[i].values() if t is not None] for i in idx],
+            [state.extra_counts[i] for i in idx],
+        )
+        grad, op_grad_params, op_grad_extra = result
+        for i, g_params, g_extra in zip(idx, op_grad_params, op_grad_extra):
+            grad_params[i] = list(g_params) if g_params else [None] * param_counts[i]
+            grad_extra_inputs[i] = tuple(g_extra) if g_extra else (None,) * state.extra_counts[i]
+    return grad, grad_params, grad_extra_inputs

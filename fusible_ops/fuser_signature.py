@@ -27,6 +27,7 @@ import torch
 
 from .fuser_function import dedupe_args
 from .fusion_rules import classify_extra_inputs, compares_by_value, registry_version
+from .kernels.signature_checks import SignatureChecks
 from .op import TensorMeta
 from .plan import FusionPlan
 from .settings import current_settings
@@ -117,12 +118,15 @@ def call_signature(
 @dataclass(frozen=True)
 class PreparedCall:
     """What a signature's first call worked out: its plan, the state its autograd Function
-    receives (None when nothing needs a gradient) and, for each op that has value checks,
-    ``(op index, its input meta, its extra inputs' slice of the call's)``."""
+    receives (None when nothing needs a gradient), for each op that has value checks
+    ``(op index, its input meta, its extra inputs' slice of the call's)``, and whether its
+    backend calls passed their argument checks once
+    (:class:`~fusible_ops.kernels.signature_checks.SignatureChecks`)."""
 
     plan: FusionPlan
     state: Any
     value_checks: tuple[tuple[int, TensorMeta, slice], ...]
+    signature_checks: SignatureChecks | None = None
 
 
 class BoundedCache:

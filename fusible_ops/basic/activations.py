@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.activation import ActivationSpec, activation_backward, activation_forward
+from ..kernels.signature_checks import signature_fixes_kernel_args
 from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
 
 
@@ -54,6 +55,7 @@ class Activation(BasicOperation):
         return OpBackward(activation_backward(self.spec, ctx.saved["input"], grad_output))
 
 
+@signature_fixes_kernel_args
 class ReLU(Activation):
     """``max(x, 0)``."""
 
@@ -63,6 +65,7 @@ class ReLU(Activation):
         super().__init__()
 
 
+@signature_fixes_kernel_args
 class GELU(Activation):
     """GELU, tanh approximation."""
 
@@ -72,6 +75,7 @@ class GELU(Activation):
         super().__init__()
 
 
+@signature_fixes_kernel_args
 class SiLU(Activation):
     """``x * sigmoid(x)``."""
 
@@ -81,6 +85,7 @@ class SiLU(Activation):
         super().__init__()
 
 
+@signature_fixes_kernel_args
 class SReLU(Activation):
     """Squared ReLU: ``relu(x) ** 2``."""
 
@@ -90,6 +95,7 @@ class SReLU(Activation):
         super().__init__()
 
 
+@signature_fixes_kernel_args
 class SwiGLU(Activation):
     """``silu(gate) * linear``."""
 
@@ -99,6 +105,7 @@ class SwiGLU(Activation):
         super().__init__(glu_interleave_size=glu_interleave_size)
 
 
+@signature_fixes_kernel_args
 class GEGLU(Activation):
     """``gelu_tanh(gate) * linear``."""
 
@@ -108,6 +115,7 @@ class GEGLU(Activation):
         super().__init__(glu_interleave_size=glu_interleave_size)
 
 
+@signature_fixes_kernel_args
 class ReGLU(Activation):
     """``relu(gate) * linear``."""
 
@@ -117,6 +125,7 @@ class ReGLU(Activation):
         super().__init__(glu_interleave_size=glu_interleave_size)
 
 
+@signature_fixes_kernel_args
 class ClampedSwiGLU(Activation):
     """GPT-OSS style: ``g = min(gate, limit)``, ``l = clamp(linear, -limit, limit)``,
     output ``g * sigmoid(alpha * g) * (l + glu_linear_offset)``."""

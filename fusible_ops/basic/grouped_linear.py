@@ -11,6 +11,7 @@ from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, val
 from ..dtypes import cast, compute_dtype
 from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
+from ..kernels.signature_checks import signature_fixes_kernel_args
 from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from ..settings import current_settings
 from ..shapes import as_rows
@@ -53,6 +54,7 @@ def local_groups(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.to_local() if is_group_sharded(tensor) else tensor
 
 
+@signature_fixes_kernel_args
 class GroupedLinear(BasicOperation):
     """``y[rows of group g] = x[rows of group g] @ weight[g].T (+ bias[g])``.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.activation import row_dot
+from ..kernels.signature_checks import signature_fixes_kernel_args
 from ..op import BasicOperation, OpBackward, OperationContext
 from .scaled_activations import check_op_row_scales
 
@@ -26,6 +27,7 @@ class ConstantScale(BasicOperation):
         return OpBackward(grad_output * self.scale)
 
 
+@signature_fixes_kernel_args
 class Scale(BasicOperation):
     """``y = x * scales[:, None]`` with ``scales`` (one value per token row) as extra input.
 

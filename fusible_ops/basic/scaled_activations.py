@@ -13,6 +13,7 @@ import torch
 
 from ..kernels.activation import ActivationSpec, scaled_activation_backward, scaled_activation_forward
 from ..kernels.grouped_checks import check_row_scales
+from ..kernels.signature_checks import signature_fixes_kernel_args
 from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
 from ..shapes import as_flat, as_rows
 from .activations import check_activation_input
@@ -69,6 +70,7 @@ class ScaledActivation(BasicOperation):
         return OpBackward(grad_input.view(ctx.input_shape), (), (grad_scales,))
 
 
+@signature_fixes_kernel_args
 class ScaledSwiGLU(ScaledActivation):
     """``silu(gate) * linear * scales``."""
 
@@ -78,6 +80,7 @@ class ScaledSwiGLU(ScaledActivation):
         super().__init__(glu_interleave_size=glu_interleave_size)
 
 
+@signature_fixes_kernel_args
 class ScaledGEGLU(ScaledActivation):
     """``gelu_tanh(gate) * linear * scales``."""
 
@@ -87,6 +90,7 @@ class ScaledGEGLU(ScaledActivation):
         super().__init__(glu_interleave_size=glu_interleave_size)
 
 
+@signature_fixes_kernel_args
 class ScaledClampedSwiGLU(ScaledActivation):
     """:class:`~fusible_ops.ClampedSwiGLU` times ``scales``."""
 
@@ -107,6 +111,7 @@ class ScaledClampedSwiGLU(ScaledActivation):
         )
 
 
+@signature_fixes_kernel_args
 class ScaledSReLU(ScaledActivation):
     """``relu(x) ** 2 * scales``."""
 

@@ -25,6 +25,7 @@ from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels import BackendChoice, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.activation import EXPERT_BLOCK_KINDS, ActivationSpec
+from ..kernels.signature_checks import signature_fixes_kernel_args
 from ..op import BasicOperation, FusedBackward, FusedForward, FusedOperation, OperationContext
 from ..shapes import as_flat, as_rows
 from ..splits import SplitInfo, to_split_info
@@ -32,6 +33,7 @@ from ..splits import SplitInfo, to_split_info
 SUPPORTED_ACTIVATIONS = EXPERT_BLOCK_KINDS  # read from the activation table
 
 
+@signature_fixes_kernel_args
 class GroupedMLP(FusedOperation):
     """fc1 -> (scaled) activation -> fc2 (-> Scale), computed by one kernel backend.
 

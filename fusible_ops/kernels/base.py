@@ -17,8 +17,9 @@ The public methods belong to :class:`GroupedGemmBackend`: :meth:`~GroupedGemmBac
 :meth:`~GroupedGemmBackend.dgrad`, :meth:`~GroupedGemmBackend.wgrad`,
 :meth:`~GroupedGemmBackend.bias_grad`, :meth:`~GroupedGemmBackend.fc1_fprop_act` and
 :meth:`~GroupedGemmBackend.fc2_dgrad_act` each run the checks of :mod:`.grouped_checks`
-once, answer zero-token calls themselves, and then call one protected hook with
-validated arguments. A backend is one file with a subclass that implements
+once (not at all in a later call of a fuser call signature that passed them, see
+:mod:`.signature_checks`), answer zero-token calls themselves, and then call one
+protected hook with validated arguments. A backend is one file with a subclass that implements
 :meth:`~GroupedGemmBackend.probe` and the three GEMM hooks ``_fprop``, ``_dgrad`` and
 ``_wgrad`` (optionally ``_bias_grad``, and ``_fc1_fprop_act`` / ``_fc2_dgrad_act`` with
 ``fused_activation = True``), plus one line in the registry::
@@ -50,8 +51,10 @@ from .grouped_checks import (
     check_gemm,
     check_operands,
     check_row_scales,
+    flat_row_scales,
     host_split_sizes,
 )
+from .signature_checks import arguments_checked
 
 Tensor = torch.Tensor
 
@@ -121,8 +124,11 @@ class GroupedGemmBackend:
     ) -> Tensor:
         """``out[rows_g] = x[rows_g] @ weight[g].T (+ bias[g])``: ``[M, K] -> [M, N]``."""
         where = f"{self.name}.fprop"
-        _, n_out, k_in = check_gemm(where, "fprop", x, weight, split_sizes, offsets, out, bias=bias)
-        sizes = self._ready(where, x, k_in, n_out, split_sizes, offsets)
+        if arguments_checked():
+            sizes = self._hook_sizes(where, x, split_sizes, offsets)
+        else:
+            _, n_out, k_in = check_gemm(where, "fprop", x, weight, split_sizes, offsets, out, bias=bias)
+            sizes = self._ready(where, x, k_in, n_out, split_sizes, offsets)
         return self._run_fprop(x, weight, sizes, offsets, bias, out)
 
     def dgrad(
@@ -136,8 +142,11 @@ class GroupedGemmBackend:
     ) -> Tensor:
         """``out[rows_g] = grad_out[rows_g] @ weight[g]``: ``[M, N] -> [M, K]``."""
         where = f"{self.name}.dgrad"
-        _, n_out, k_in = check_gemm(where, "dgrad", grad_out, weight, split_sizes, offsets, out)
-        sizes = self._ready(where, grad_out, k_in, n_out, split_sizes, offsets)
+        if arguments_checked():
+            sizes = self._hook_sizes(where, grad_out, split_sizes, offsets)
+        else:
+            _, n_out, k_in = check_gemm(where, "dgrad", grad_out, weight, split_sizes, offsets, out)
+            sizes = self._ready(where, grad_out, k_in, n_out, split_sizes, offsets)
         return self._run_dgrad(grad_out, weight, sizes, offsets, out)
 
     def wgrad(
@@ -151,8 +160,12 @@ class GroupedGemmBackend:
     ) -> Tensor:
         """``out[g] = grad_out[rows_g].T @ x[rows_g]``: ``[G, N, K]``, zeros for empty groups."""
         where = f"{self.name}.wgrad"
-        shape = check_gemm(where, "wgrad", grad_out, x, split_sizes, offsets, out)
-        sizes = self._ready(where, x, shape[2], shape[1], split_sizes, offsets)
+        if arguments_checked():
+            shape = (offsets.shape[0], grad_out.shape[1], x.shape[1])  # what check_gemm returns
+            sizes = self._hook_sizes(where, x, split_sizes, offsets)
+        else:
+            shape = check_gemm(where, "wgrad", grad_out, x, split_sizes, offsets, out)
+            sizes = self._ready(where, x, shape[2], shape[1], split_sizes, offsets)
         if x.shape[0] == 0:
             return out.zero_() if out is not None else x.new_zeros(shape)
         return self._wgrad(grad_out, x, sizes, offsets, out)
@@ -162,9 +175,10 @@ class GroupedGemmBackend:
     ) -> Tensor:
         """``[G, N]`` per-group column sums of ``grad_out`` (fp32 accumulation, fp64 stays fp64)."""
         where = f"{self.name}.bias_grad"
-        check_operands(
-            where, grad_out, None, split_sizes, offsets, lhs_name="grad_out", num_groups=num_groups
-        )
+        if not arguments_checked():
+            check_operands(
+                where, grad_out, None, split_sizes, offsets, lhs_name="grad_out", num_groups=num_groups
+            )
         sizes = self._hook_sizes(where, grad_out, split_sizes, offsets)
         return self._bias_grad(grad_out, sizes, offsets, num_groups)
 
@@ -185,10 +199,14 @@ class GroupedGemmBackend:
         caller for backward.
         """
         where = f"{self.name}.fc1_fprop_act"
-        _, n_pre, k_in = check_gemm(where, "fprop", x, weight, split_sizes, offsets, None, bias=bias)
-        activation.check_width(where, n_pre)
-        scales = None if scales is None else check_row_scales(where, scales, x.shape[0], x.device)
-        sizes = self._ready(where, x, k_in, n_pre, split_sizes, offsets)
+        if arguments_checked():
+            scales = None if scales is None else flat_row_scales(scales, x.shape[0])
+            sizes = self._hook_sizes(where, x, split_sizes, offsets)
+        else:
+            _, n_pre, k_in = check_gemm(where, "fprop", x, weight, split_sizes, offsets, None, bias=bias)
+            activation.check_width(where, n_pre)
+            scales = None if scales is None else check_row_scales(where, scales, x.shape[0], x.device)
+            sizes = self._ready(where, x, k_in, n_pre, split_sizes, offsets)
         run = self._fc1_fprop_act if self._fuses(activation, x) else self._composed_fc1_fprop_act
         return run(x, weight, bias, sizes, offsets, activation, scales)
 
@@ -210,11 +228,17 @@ class GroupedGemmBackend:
         FC2's weight gradient).
         """
         where = f"{self.name}.fc2_dgrad_act"
-        _, h_out, n_act = check_fc2_dgrad_act(where, grad_y, weight, pre, split_sizes, offsets, activation)
-        flat_scales = (
-            None if scales is None else check_row_scales(where, scales, grad_y.shape[0], grad_y.device)
-        )
-        sizes = self._ready(where, grad_y, n_act, h_out, split_sizes, offsets)
+        if arguments_checked():
+            flat_scales = None if scales is None else flat_row_scales(scales, grad_y.shape[0])
+            sizes = self._hook_sizes(where, grad_y, split_sizes, offsets)
+        else:
+            _, h_out, n_act = check_fc2_dgrad_act(
+                where, grad_y, weight, pre, split_sizes, offsets, activation
+            )
+            flat_scales = (
+                None if scales is None else check_row_scales(where, scales, grad_y.shape[0], grad_y.device)
+            )
+            sizes = self._ready(where, grad_y, n_act, h_out, split_sizes, offsets)
         run = self._fc2_dgrad_act if self._fuses(activation, grad_y) else self._composed_fc2_dgrad_act
         grad_pre, grad_scales, act = run(grad_y, weight, pre, sizes, offsets, activation, flat_scales)
         if grad_scales is not None and (

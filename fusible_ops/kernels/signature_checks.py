@@ -1,0 +1,76 @@
+"""Backend argument checks once per call signature, not on every call.
+
+The public backend methods check their arguments (:mod:`.grouped_checks`) before any
+work. A fuser call whose signature was seen before (the shapes, dtypes and devices of
+every input and parameter, see :mod:`fusible_ops.fuser_signature`), and whose first call
+passed every one of those checks, hands the kernels arguments with that same metadata,
+and split sizes whose values the ops checked for this call (non-negative, one per group,
+summing to the rows). While such a call runs, :func:`arguments_checked` is True and the
+public methods skip the checks that depend only on metadata; everything else they do
+(zero-row calls, host split sizes) is unchanged.
+
+Only plans made entirely of the library's own ops take part (:func:`signature_fixes_kernel_args`,
+matched by exact type): their kernel arguments follow from the signature, and they run
+no user code. A user's op may compute kernel arguments from values, so its plans check
+every call. Tracing never sets the flag.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_TRUSTED: set[type] = set()
+
+
+class _State(threading.local):
+    on = False
+
+
+_STATE = _State()
+
+
+def signature_fixes_kernel_args(cls: type) -> type:
+    """Class decorator for the library's ops: every backend call they make takes arguments
+    fixed by the call signature (and split values their ``check_values`` checks)."""
+    _TRUSTED.add(cls)
+    return cls
+
+
+def plan_takes_part(plan: Any) -> bool:
+    """Whether every entry of ``plan`` (forward and backward) is one of those ops, exactly."""
+    return all(type(entry.op) in _TRUSTED for entry in (*plan.forward, *plan.backward))
+
+
+def arguments_checked() -> bool:
+    """Whether the running call's backend arguments passed every check at its signature's first call."""
+    return _STATE.on
+
+
+class SignatureChecks:
+    """Per prepared call signature: whether its forward's and its backward's backend calls
+    have passed every check once (set only after a call that ran them succeeded)."""
+
+    __slots__ = ("takes_part", "forward", "backward")
+
+    def __init__(self, takes_part: bool) -> None:
+        self.takes_part = takes_part
+        self.forward = False
+        self.backward = False
+
+
+class checked_arguments:
+    """``with checked_arguments(on):`` sets :func:`arguments_checked` for this thread, and
+    restores it after (nested fuser calls set their own)."""
+
+    __slots__ = ("on", "previous")
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        self.previous = _STATE.on
+        _STATE.on = self.on
+
+    def __exit__(self, *exc_info: object) -> None:
+        _STATE.on = self.previous
