@@ -189,9 +189,11 @@ def run_forward(
     input_: torch.Tensor,
     extra_inputs: list,
     kwargs: list,
+    check_results: bool = True,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]], dict[int, tuple[int, ...]]]:
     """Run the plan's forward entries; returns the output, each basic op's extra outputs
-    and the main input shape of each basic op that starts an entry."""
+    and the main input shape of each basic op that starts an entry. ``check_results``:
+    check each entry's result against the fuser contract (:mod:`.op_contract`)."""
     x = input_
     extra_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(ctxs)
     input_shapes: dict[int, tuple[int, ...]] = {}
@@ -206,7 +208,8 @@ def run_forward(
             basic_op_extra_inputs=[extra_inputs[i] for i in idx],
             basic_op_kwargs=[kwargs[i] for i in idx],
         )
-        check_forward_result(entry.op, result, [ops[i].num_extra_outputs for i in idx])
+        if check_results:
+            check_forward_result(entry.op, result, [ops[i].num_extra_outputs for i in idx])
         x, op_extra_outputs = result
         for i, outs in zip(idx, op_extra_outputs):
             extra_outputs[i] = tuple(outs)
@@ -214,11 +217,12 @@ def run_forward(
 
 
 def run_checked_forward(checks: SignatureChecks | None, *args: Any):
-    """:func:`run_forward`, skipping the backends' argument checks when this call signature's
-    forward passed them once (see :mod:`~fusible_ops.kernels.signature_checks`)."""
+    """:func:`run_forward`, skipping the backends' argument checks and the result checks when
+    this call signature's forward passed them once (see :mod:`~fusible_ops.kernels.signature_checks`:
+    the library's own ops return results of the same structure and shapes for the same signature)."""
     if checks is not None and checks.forward:
         with checked_arguments(True):
-            return run_forward(*args)
+            return run_forward(*args, check_results=False)
     result = run_forward(*args)
     if checks is not None and checks.takes_part:
         checks.forward = True  # this call ran every check and got through
@@ -327,7 +331,7 @@ class FuserFunction(torch.autograd.Function):
         if checks is not None and checks.backward:
             with checked_arguments(True):
                 grad, grad_params, grad_extra_inputs = _run_backward(
-                    func_ctx, ctxs, params, grad_output, grad_extra_outputs
+                    func_ctx, ctxs, params, grad_output, grad_extra_outputs, check_results=False
                 )
         else:
             grad, grad_params, grad_extra_inputs = _run_backward(
@@ -347,8 +351,16 @@ class FuserFunction(torch.autograd.Function):
         return (grad, None, *unique_grads)
 
 
-def _run_backward(func_ctx, ctxs: list[OperationContext], params, grad_output, grad_extra_outputs):
-    """The plan's backward entries, last first: ``(grad input, param grads, extra-input grads)``."""
+def _run_backward(
+    func_ctx,
+    ctxs: list[OperationContext],
+    params,
+    grad_output,
+    grad_extra_outputs,
+    check_results: bool = True,
+):
+    """The plan's backward entries, last first: ``(grad input, param grads, extra-input grads)``;
+    ``check_results`` as for :func:`run_forward`."""
     state: CallState = func_ctx.state
     param_counts = state.param_counts
     grad_params: list[list[torch.Tensor | None]] = [[None] * n for n in param_counts]
@@ -365,14 +377,15 @@ def _run_backward(func_ctx, ctxs: list[OperationContext], params, grad_output, g
             grad,
             basic_op_grad_extra_outputs=[grad_extra_outputs[i] for i in idx],
         )
-        shapes = func_ctx.input_shapes
-        check_backward_result(
-            entry.op,
-            result,
-            None if shapes is None else shapes.get(idx[0]),
-            [[t for t in params[i].values() if t is not None] for i in idx],
-            [state.extra_counts[i] for i in idx],
-        )
+        if check_results:
+            shapes = func_ctx.input_shapes
+            check_backward_result(
+                entry.op,
+                result,
+                None if shapes is None else shapes.get(idx[0]),
+                [[t for t in params[i].values() if t is not None] for i in idx],
+                [state.extra_counts[i] for i in idx],
+            )
         grad, op_grad_params, op_grad_extra = result
         for i, g_params, g_extra in zip(idx, op_grad_params, op_grad_extra):
             grad_params[i] = list(g_params) if g_params else [None] * param_counts[i]

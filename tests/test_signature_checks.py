@@ -1,5 +1,6 @@
 """Backend argument checks once per call signature (``kernels/signature_checks.py``): later
-calls of a signature skip them, stay exact, and still check the values of every call."""
+calls of a signature skip them (and the fuser's result checks), stay exact, and still
+check the values of every call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import reference_ops as ref
 import torch
 
 import fusible_ops as fo
+from fusible_ops import fuser_function
 from fusible_ops.basic.grouped_linear import GroupedLinear
 from fusible_ops.kernels import base
 from fusible_ops.kernels.signature_checks import arguments_checked
@@ -28,14 +30,17 @@ def make_block(*ops: BasicOperation) -> fo.Sequential:
 def backend_checks(monkeypatch):
     """The names of the argument checks the public backend methods ran."""
     calls: list[str] = []
-    for name in ("check_gemm", "check_fc2_dgrad_act", "check_operands", "check_row_scales"):
-        original = getattr(base, name)
+    names = [(base, "check_gemm"), (base, "check_fc2_dgrad_act"), (base, "check_operands")]
+    names += [(base, "check_row_scales"), (fuser_function, "check_forward_result")]
+    names += [(fuser_function, "check_backward_result")]
+    for module, name in names:
+        original = getattr(module, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
             calls.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(base, name, counted)
+        monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -64,7 +69,8 @@ def test_later_calls_of_a_signature_skip_the_backend_checks_and_stay_exact(backe
         forward_checks = list(backend_checks)
         check_exact(block, x, probs, y, splits)
         if step == 0:  # the signature's first call checks forward and backward
-            assert "check_gemm" in forward_checks and "check_fc2_dgrad_act" in backend_checks
+            assert {"check_gemm", "check_forward_result"} <= set(forward_checks)
+            assert {"check_fc2_dgrad_act", "check_backward_result"} <= set(backend_checks)
         else:
             assert backend_checks == [], step
     backend_checks.clear()
@@ -119,7 +125,7 @@ def test_plans_with_a_user_op_check_every_call(backend_checks):
             else:
                 y = block(x, *extra)
             y.sum().backward()
-            assert "check_gemm" in backend_checks
+            assert {"check_gemm", "check_forward_result", "check_backward_result"} <= set(backend_checks)
 
 
 def test_the_flag_is_set_only_inside_a_checked_call(monkeypatch):

@@ -7,7 +7,8 @@ passed every one of those checks, hands the kernels arguments with that same met
 and split sizes whose values the ops checked for this call (non-negative, one per group,
 summing to the rows). While such a call runs, :func:`arguments_checked` is True and the
 public methods skip the checks that depend only on metadata; everything else they do
-(zero-row calls, host split sizes) is unchanged.
+(zero-row calls, host split sizes) is unchanged. The fuser also skips its checks of the
+ops' results (:mod:`fusible_ops.op_contract`), which have the same structure and shapes.
 
 Only plans made entirely of the library's own ops take part (:func:`signature_fixes_kernel_args`,
 matched by exact type): their kernel arguments follow from the signature, and they run
