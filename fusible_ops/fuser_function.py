@@ -7,7 +7,6 @@ saved and never mutates anything forward created.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -244,8 +243,10 @@ def run_without_grad(
         ctx = OperationContext()
         ctx.params = params
         ctxs.append(ctx)
-    # inputs that need no gradient; under no_grad already, no second context
-    with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+    if torch.is_grad_enabled():  # inputs that need no gradient
+        with torch.no_grad():
+            x, extra_outputs, _ = run_checked_forward(checks, plan, ops, ctxs, input_, extra_inputs, kwargs)
+    else:  # under no_grad already: no second context
         x, extra_outputs, _ = run_checked_forward(checks, plan, ops, ctxs, input_, extra_inputs, kwargs)
     flat_extra_outputs = [t for outs in extra_outputs for t in outs]
     return (x, *flat_extra_outputs) if flat_extra_outputs else x
