@@ -4,7 +4,8 @@ Run: ``python benchmarks/small_overhead.py [--dtype bfloat16] [--rounds 300]``
 
 At ``bench --small``'s shape (4 experts, hidden 64, ffn 64, 64 rows) the GEMMs take
 tens of microseconds, so what a call does in Python shows. Three variants run
-interleaved, round by round, on the same weights and inputs (medians reported, with
+interleaved, round by round, in a fresh random order each round (see
+``bench.time_interleaved``), on the same weights and inputs (medians reported, with
 ratios to the composition):
 
 - ``composition``: the torchtitan-style ``torch._grouped_mm`` block, autograd;
@@ -94,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, forward in forwards.items():  # same math before timing anything
         torch.testing.assert_close(forward(), reference, rtol=2e-2, atol=2e-2, msg=name)
     times: dict[tuple[str, str], list[float]] = {}
-    for _ in range(args.rounds):
-        for name, forward in forwards.items():
+    for order in bench.shuffled_rounds(list(forwards), args.rounds):  # a fresh order each round
+        for name in order:
+            forward = forwards[name]
             start = time.perf_counter()
             y = forward()
             middle = time.perf_counter()

@@ -24,7 +24,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -211,6 +211,15 @@ def print_progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
+def shuffled_rounds(names: list[str], rounds: int, seed: int = 0) -> Iterator[list[str]]:
+    """``rounds`` orders of ``names``, each a fresh random permutation (seeded, reproducible):
+    over the rounds every name runs after every other about equally often."""
+    order, shuffle = list(names), random.Random(seed).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        yield list(order)
+
+
 def time_interleaved(
     variants: dict[str, Callable[[Problem, bool], None]],
     p: Problem,
@@ -229,10 +238,7 @@ def time_interleaved(
     """
     mode = "forward+backward" if backward else "forward"
     times: dict[str, list[float]] = {name: [] for name in variants}
-    order = list(variants)
-    shuffle = random.Random(0).shuffle
-    for round_index in range(warmup + repeats):
-        shuffle(order)
+    for round_index, order in enumerate(shuffled_rounds(list(variants), warmup + repeats)):
         for name in order:
             fn = variants[name]
             for param in p.experts.parameters():

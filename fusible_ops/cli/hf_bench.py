@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from .bench import shuffled_rounds
+
 IMPLEMENTATIONS = ("eager", "grouped_mm", "fusible_ops")
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
@@ -110,8 +112,9 @@ def run_hf_bench(family: str, dtypes=("bfloat16", "float32"), shape: HfShape = D
             name: float((out - ref).abs().max() / ref.abs().max()) for name, out in outputs.items()
         }
         times: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
-        for round_index in range(1 + repeats):  # round 0 warms up the backward
-            for implementation in IMPLEMENTATIONS:
+        # round 0 warms up the backward; a fresh order each round (see bench.time_interleaved)
+        for round_index, order in enumerate(shuffled_rounds(list(IMPLEMENTATIONS), 1 + repeats)):
+            for implementation in order:
                 if progress:
                     progress(f"{family} {dtype_name}: round {round_index}/{repeats} {implementation}")
                 seconds = _time_once(experts, implementation, x, top_k, weights, grad)
