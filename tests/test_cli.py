@@ -304,3 +304,22 @@ def test_interleaved_rounds_vary_the_order_of_the_variants():
     for name in "abcd":  # every variant follows several different ones (rounds wrap around)
         before = {calls[i - 1] for i in range(1, len(calls)) if calls[i] == name}
         assert len(before) >= 3, (name, before)
+
+
+def test_in_process_ab_benchmark_runs():
+    """benchmarks/ab_in_process.py imports a revision's package under another name next to
+    the working tree's and times both (HEAD against the working tree, two rounds; in its
+    own process, so that the second copy's custom ops stay out of this one)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or subprocess.run(["git", "rev-parse", "HEAD"], cwd=root).returncode:
+        pytest.skip("needs a git checkout")
+    script = root / "benchmarks" / "ab_in_process.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "HEAD", "--rounds", "2"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "work / base" in done.stdout and done.stdout.count("us, composition") == 2
