@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .buffers import GRAD_BUFFER_WRITES, GRAD_INPUT_BUFFER_KEY, tensors_overlap
-from .kernels.signature_checks import SignatureChecks, checked_arguments
+from .kernels.signature_checks import SignatureChecks, run_with_arguments_checked
 from .op import BasicOperation, OperationContext
 from .op_contract import check_backward_result, check_forward_result
 from .plan import FusionPlan
@@ -220,8 +220,7 @@ def run_checked_forward(checks: SignatureChecks | None, *args: Any):
     this call signature's forward passed them once (see :mod:`~fusible_ops.kernels.signature_checks`:
     the library's own ops return results of the same structure and shapes for the same signature)."""
     if checks is not None and checks.forward:
-        with checked_arguments(True):
-            return run_forward(*args, check_results=False)
+        return run_with_arguments_checked(run_forward, *args, check_results=False)
     result = run_forward(*args)
     if checks is not None and checks.takes_part:
         checks.forward = True  # this call ran every check and got through
@@ -330,10 +329,9 @@ class FuserFunction(torch.autograd.Function):
         grad_extra_outputs = [tuple(grad_extra_outputs_flat[part]) for part in state.output_slices]
         checks = state.signature_checks
         if checks is not None and checks.backward:
-            with checked_arguments(True):
-                grad, grad_params, grad_extra_inputs = _run_backward(
-                    func_ctx, ctxs, params, grad_output, grad_extra_outputs, check_results=False
-                )
+            grad, grad_params, grad_extra_inputs = run_with_arguments_checked(
+                _run_backward, func_ctx, ctxs, params, grad_output, grad_extra_outputs, check_results=False
+            )
         else:
             grad, grad_params, grad_extra_inputs = _run_backward(
                 func_ctx, ctxs, params, grad_output, grad_extra_outputs

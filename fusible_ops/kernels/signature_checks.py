@@ -19,6 +19,7 @@ every call. Tracing never sets the flag.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _TRUSTED: set[type] = set()
@@ -60,18 +61,11 @@ class SignatureChecks:
         self.backward = False
 
 
-class checked_arguments:
-    """``with checked_arguments(on):`` sets :func:`arguments_checked` for this thread, and
-    restores it after (nested fuser calls set their own)."""
-
-    __slots__ = ("on", "previous")
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self) -> None:
-        self.previous = _STATE.on
-        _STATE.on = self.on
-
-    def __exit__(self, *exc_info: object) -> None:
-        _STATE.on = self.previous
+def run_with_arguments_checked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with :func:`arguments_checked` True for this thread, restored after."""
+    previous = _STATE.on
+    _STATE.on = True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _STATE.on = previous
