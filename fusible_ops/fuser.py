@@ -389,7 +389,7 @@ class OperationFuser(HookedSegments):
         return (
             self._static
             and len(extra_inputs) == self.num_extra_inputs
-            and not (self.honour_hooks and any(op.has_hooks() for op in self.ops))
+            and not (self.honour_hooks and any([op.has_hooks() for op in self.ops]))
         )
 
     def _run_prepared(

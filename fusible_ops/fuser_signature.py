@@ -101,11 +101,11 @@ def call_signature(
     unique, slots = dedupe_args(values)
     parts.append(tuple(slots))
     distinct_extra = unique[: len(set(slots[: len(extra_inputs)]))]
-    if sum(1 for value in distinct_extra if compares_by_value(value)) > 1:
+    if len(distinct_extra) > 1 and sum([compares_by_value(value) for value in distinct_extra]) > 1:
         # distinct objects that the plan compares by value (equal split sizes to fc1 and fc2)
         parts.append(classify_extra_inputs([tuple(extra_inputs)])[0])
     parts += (
-        tuple(op.training for op in ops),
+        tuple([op.training for op in ops]),
         current_settings(),
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),

@@ -77,7 +77,7 @@ class GroupedMLP(FusedOperation):
             self.choice.backend, x, w1, b1, w2, b2, scales, splits, self.spec,
             scale_after_fc2=self.scale_after_fc2, out=out2d,
         )  # fmt: skip
-        if any(c.requires_grad for c in basic_op_ctxs):
+        if any([c.requires_grad for c in basic_op_ctxs]):  # a list: no generator per call
             ctx1.save_for_backward(
                 x=x if ctx1.needs_param_grad("weight") else None,
                 pre=pre,
