@@ -2,7 +2,9 @@
 
 :class:`FuserFunction` receives only static state (:class:`CallState`) and tensors, so
 Dynamo and AOTAutograd can trace it; backward builds fresh op contexts from what forward
-saved and never mutates anything forward created.
+saved and never mutates anything forward created. The one thing an eager call updates is
+its signature's record of which backend checks have passed
+(:class:`~fusible_ops.kernels.signature_checks.SignatureChecks`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from .plan import FusionPlan
 
 @dataclass
 class CallState:
-    """Non-tensor state handed to the autograd Function for one call (never mutated in it)."""
+    """Non-tensor state handed to the autograd Function for one call (never mutated in it,
+    but for ``signature_checks``, a per-signature record)."""
 
     #: the fuser's ops (not the fuser: it keeps this state per call signature)
     ops: list[BasicOperation]

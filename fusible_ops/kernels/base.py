@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from ..shapes import as_flat
 from .activation import (
     ActivationSpec,
     activation_backward,
@@ -51,7 +52,6 @@ from .grouped_checks import (
     check_gemm,
     check_operands,
     check_row_scales,
-    flat_row_scales,
     host_split_sizes,
 )
 from .signature_checks import arguments_checked
@@ -200,7 +200,7 @@ class GroupedGemmBackend:
         """
         where = f"{self.name}.fc1_fprop_act"
         if arguments_checked():
-            scales = None if scales is None else flat_row_scales(scales, x.shape[0])
+            scales = None if scales is None else as_flat(scales)
             sizes = self._hook_sizes(where, x, split_sizes, offsets)
         else:
             _, n_pre, k_in = check_gemm(where, "fprop", x, weight, split_sizes, offsets, None, bias=bias)
@@ -229,7 +229,7 @@ class GroupedGemmBackend:
         """
         where = f"{self.name}.fc2_dgrad_act"
         if arguments_checked():
-            flat_scales = None if scales is None else flat_row_scales(scales, grad_y.shape[0])
+            flat_scales = None if scales is None else as_flat(scales)
             sizes = self._hook_sizes(where, grad_y, split_sizes, offsets)
         else:
             _, h_out, n_act = check_fc2_dgrad_act(

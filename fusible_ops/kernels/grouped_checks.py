@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..shapes import as_flat
 from .activation import ActivationSpec
 
 
@@ -196,9 +197,4 @@ def check_row_scales(where: str, scales: object, rows: int, device: torch.device
         )
     if scales.device != device:
         raise ValueError(f"{where}: scales are on {scales.device} but the input is on {device}")
-    return flat_row_scales(scales, rows)
-
-
-def flat_row_scales(scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """Checked per-row ``scales`` as ``[rows]`` (itself when already 1-D)."""
-    return scales if scales.dim() == 1 else scales.reshape(rows)
+    return as_flat(scales)

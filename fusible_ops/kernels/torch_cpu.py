@@ -312,10 +312,11 @@ class TorchCpuBackend(TorchLoopBackend):
             if tail is not None and covered < rows:
                 tail[covered:].zero_()
         fast = self._is_fast_swiglu(activation)
-        if covered == rows and rows <= self._block_rows(pre):  # one block: the whole tensors, no slices
+        block_rows = self._block_rows(pre)
+        if covered == rows and rows <= block_rows:  # one block: the whole tensors, no slices
             _backward_block(activation, fast, pre, scales, act, grad_pre, grad_scales, act)
             return grad_pre, grad_scales, act
-        for s, e in _blocks(0, covered, self._block_rows(pre)):
+        for s, e in _blocks(0, covered, block_rows):
             block_scales = None if scales is None else scales[s:e]
             block_grad_scales = None if grad_scales is None else grad_scales[s:e]
             _backward_block(
