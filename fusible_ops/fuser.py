@@ -10,6 +10,7 @@ import torch
 
 from .buffers import GRAD_BUFFER_WRITES, GRAD_INPUT_BUFFER_KEY, call_buffers, check_call_buffers
 from .dtypes import compute_dtype
+from .fuser_compiled import compiled_call, register_fuser
 from .fuser_function import CallState, FuserFunction, count_slices, dedupe_args, run_without_grad
 from .fuser_hooks import HookedSegments, decision_in_sequential
 from .fuser_signature import BoundedCache, PreparedCall, autocast_state, call_signature
@@ -75,11 +76,18 @@ class OperationFuser(HookedSegments):
         self._one_extra_each = all(n == 1 for n in self._extra_counts)
         #: whether every op's preflight is static (see preflight_is_static); None: not known yet
         self._static: bool | None = None
+        #: where a compiled call finds this fuser (None: its compiled calls are traced
+        #: through; a fuser made for one call has no lasting identity to find)
+        self.compiled_key = register_fuser(self) if keep_signatures else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_thread_plans"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.compiled_key = register_fuser(self) if self.keep_signatures else None  # a copy is another fuser
 
     @property
     def last_plan(self) -> FusionPlan | None:
@@ -348,11 +356,19 @@ class OperationFuser(HookedSegments):
         input_: torch.Tensor,
         *extra_inputs: Any,
         basic_op_kwargs: Sequence[dict[str, Any] | None] | None = None,
+        param_dicts: list[dict[str, torch.Tensor | None]] | None = None,
     ):
+        """``param_dicts``: each op's parameter tensors for this call (default: what
+        :meth:`~BasicOperation.param_tensors` reads; a compiled call passes its graph's)."""
+        if param_dicts is None and torch.compiler.is_compiling():
+            result = compiled_call(self, input_, extra_inputs, basic_op_kwargs)
+            if result is not None:
+                return result
         start_call()
-        keyed = param_dicts = None
+        keyed = None
         if (basic_op_kwargs is None or not any(basic_op_kwargs)) and self._may_reuse(extra_inputs):
-            param_dicts = [op.param_tensors() for op in self.ops]
+            if param_dicts is None:
+                param_dicts = [op.param_tensors() for op in self.ops]
             keyed = call_signature(self.ops, input_, extra_inputs, param_dicts)
             prepared = None if keyed is None else self._prepared.get(keyed[0])
             if prepared is not None:

@@ -71,9 +71,10 @@ class HookedSegments:
                 extra_outputs.extend(outs)
             else:
                 x = result
-        plans = [None if fuser is None else fuser.last_plan for _, fuser in segments]
-        dtype = compute_dtype(input_.dtype, input_.device)
-        self._record_plan(self._segmented_plan(segments, hooked, plans, input_.device, dtype))
+        if not torch.compiler.is_compiling():  # traced calls record no plan (the parts have none)
+            plans = [None if fuser is None else fuser.last_plan for _, fuser in segments]
+            dtype = compute_dtype(input_.dtype, input_.device)
+            self._record_plan(self._segmented_plan(segments, hooked, plans, input_.device, dtype))
         return (x, *extra_outputs) if extra_outputs else x
 
     def _segments_for(self, hooked: list[str | None]) -> list[tuple[list[int], OperationFuser | None]]:

@@ -23,6 +23,17 @@ FUSION_KINDS = ("forward", "backward", "joint")
 
 _RULES: dict[str, list[RuleFn]] = {kind: [] for kind in FUSION_KINDS}
 _registry_version = [0]
+#: whether every registered rule is one of the library's (a user's rule may read any op state)
+_library_rules_only = [True]
+
+
+def _registry_changed() -> None:
+    _registry_version[0] += 1
+    _library_rules_only[0] = all(
+        getattr(rule, "__module__", "").startswith("fusible_ops.")
+        for rules in _RULES.values()
+        for rule in rules
+    )
 
 
 def register_fusion(rule: RuleFn, *, kind: str, prepend: bool = False) -> RuleFn:
@@ -45,7 +56,7 @@ def register_fusion(rule: RuleFn, *, kind: str, prepend: bool = False) -> RuleFn
         rules.insert(0, rule)
     else:
         rules.append(rule)
-    _registry_version[0] += 1
+    _registry_changed()
     return rule
 
 
@@ -53,7 +64,7 @@ def unregister_fusion(rule: RuleFn) -> None:
     for rules in _RULES.values():
         if rule in rules:
             rules.remove(rule)
-    _registry_version[0] += 1
+    _registry_changed()
 
 
 def registered_rules(kind: str) -> list[RuleFn]:
@@ -62,6 +73,11 @@ def registered_rules(kind: str) -> list[RuleFn]:
 
 def registry_version() -> int:
     return _registry_version[0]
+
+
+def registry_state() -> tuple[int, bool]:
+    """``(registry version, whether every registered rule is the library's own)``."""
+    return _registry_version[0], _library_rules_only[0]
 
 
 @dataclass

@@ -196,6 +196,13 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
             for name in names
         }
 
+    def compile_facts(self) -> tuple | None:
+        """The op's configuration as Python literals: everything its checks, plans and
+        math read besides tensors and ``training``. A compiled call of the library's own
+        ops guards on these instead of tracing through them (see
+        :mod:`fusible_ops.fuser_compiled`); None (the default): its calls are traced through."""
+        return None
+
     def plan_backend(self, device: torch.device, dtype: torch.dtype) -> Any:
         """The kernel backend this op would run with (a ``BackendChoice``), or None.
 

@@ -25,6 +25,11 @@ class Settings:
     #: let the Triton backend autotune tile configurations (False: first config only)
     triton_autotune: bool = True
 
+    @property
+    def facts(self) -> tuple[bool, str, bool]:
+        """Every setting, as a tuple (what a compiled call guards on)."""
+        return (self.fusion, self.backend, self.triton_autotune)
+
 
 #: the type each setting must have exactly
 _TYPES: dict[str, type] = {"fusion": bool, "backend": str, "triton_autotune": bool}

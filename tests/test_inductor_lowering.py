@@ -202,6 +202,9 @@ def test_lowered_block_with_varying_token_counts():
 def test_traced_graph_carries_the_lowering_fingerprint():
     """The fused ops get the decomposition's source digest, so PyTorch's on-disk compile
     caches (keyed on the traced graph) never reuse a graph lowered by other sources."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
     from fusible_ops.kernels.library import LOWERING_ID
 
     torch._dynamo.reset()
@@ -209,10 +212,13 @@ def test_traced_graph_carries_the_lowering_fingerprint():
 
     def capture(gm, example_inputs):
         graphs.append(gm.print_readable(print_output=False))
-        return gm.forward
+        return make_boxed_func(gm.forward)
 
+    # the graphs AOTAutograd hands Inductor: what its on-disk FX graph cache keys on
+    # (Dynamo's graph holds one fuser_in_graph call, which AOTAutograd's cache refuses)
     seq = _block(torch.bfloat16)
-    compiled = torch.compile(seq, backend=capture, fullgraph=True)
+    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+    compiled = torch.compile(seq, backend=backend, fullgraph=True)
     sizes = [3, 0, 5, 8]
     x = torch.randn(sum(sizes), HIDDEN).to(torch.bfloat16).requires_grad_()
     probs = torch.rand(sum(sizes)).requires_grad_()

@@ -36,6 +36,9 @@ class Activation(BasicOperation):
         super().__init__()
         self.spec = ActivationSpec(self.kind, glu_interleave_size=glu_interleave_size, **spec_options)
 
+    def compile_facts(self) -> tuple:
+        return self.spec.facts()
+
     def extra_repr(self) -> str:
         if self.spec.glu_interleave_size is None:
             return ""

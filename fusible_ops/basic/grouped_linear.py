@@ -110,6 +110,9 @@ class GroupedLinear(BasicOperation):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
+    def compile_facts(self) -> tuple:
+        return (self.num_groups, self.in_features, self.out_features, self.weight_layout)
+
     def reset_parameters(self) -> None:
         """Per group, the initialisation ``torch.nn.Linear`` uses."""
         bound = 1.0 / math.sqrt(self.in_features)

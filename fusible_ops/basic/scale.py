@@ -39,6 +39,9 @@ class Scale(BasicOperation):
 
     static_preflight = True  # value checks, if any, are in check_values
 
+    def compile_facts(self) -> tuple:
+        return ()
+
     def preflight(self, input_meta, extra_inputs, kwargs, *, guard):
         check_op_row_scales(self.op_name(), extra_inputs[0], input_meta)
         return input_meta

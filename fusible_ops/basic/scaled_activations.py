@@ -34,6 +34,9 @@ class ScaledActivation(BasicOperation):
         super().__init__()
         self.spec = ActivationSpec(self.kind, glu_interleave_size=glu_interleave_size, **spec_options)
 
+    def compile_facts(self) -> tuple:
+        return self.spec.facts()
+
     def extra_repr(self) -> str:
         s = self.spec
         parts = []

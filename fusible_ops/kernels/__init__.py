@@ -135,10 +135,19 @@ class BackendUnavailableError(RuntimeError):
 _choices: dict[tuple, BackendChoice] = {}
 
 
+_backend_version = [0]
+
+
+def backend_registry_version() -> int:
+    """Bumped by every change to the registry or its caches (compiled calls guard on it)."""
+    return _backend_version[0]
+
+
 def clear_backend_cache() -> None:
     """Forget cached probe results (e.g. after installing a package in-process)."""
     _choices.clear()
     _instances.clear()
+    _backend_version[0] += 1
 
 
 def select_backend(
@@ -235,6 +244,7 @@ __all__ = [
     "BackendUnavailableError",
     "GroupedGemmBackend",
     "backend_names",
+    "backend_registry_version",
     "backend_report",
     "clear_backend_cache",
     "get_backend",

@@ -70,6 +70,10 @@ class ActivationSpec:
     glu_linear_offset: float = 1.0
     glu_interleave_size: int | None = None
 
+    def facts(self) -> tuple[str, float, float, float, int | None]:
+        """Every field, as a tuple of literals."""
+        return (self.kind, self.limit, self.alpha, self.glu_linear_offset, self.glu_interleave_size)
+
     def __post_init__(self) -> None:
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"unknown activation kind {self.kind!r}; expected one of {ACTIVATION_KINDS}")

@@ -39,6 +39,11 @@ def signature_fixes_kernel_args(cls: type) -> type:
     return cls
 
 
+def is_library_op(op: Any) -> bool:
+    """Whether ``op`` is exactly one of those ops (not a subclass)."""
+    return type(op) in _TRUSTED
+
+
 def plan_takes_part(plan: Any) -> bool:
     """Whether every entry of ``plan`` (forward and backward) is one of those ops, exactly."""
     return all(type(entry.op) in _TRUSTED for entry in (*plan.forward, *plan.backward))
