@@ -361,7 +361,7 @@ class OperationFuser(HookedSegments):
         """``param_dicts``: each op's parameter tensors for this call (default: what
         :meth:`~BasicOperation.param_tensors` reads; a compiled call passes its graph's)."""
         if param_dicts is None and torch.compiler.is_compiling():
-            result = compiled_call(self, input_, extra_inputs, basic_op_kwargs)
+            result = compiled_call(self, self.ops, input_, extra_inputs, basic_op_kwargs)
             if result is not None:
                 return result
         start_call()

@@ -46,6 +46,12 @@ from .settings import current_settings
 
 if TYPE_CHECKING:
     from .fuser import OperationFuser
+    from .op import BasicOperation
+
+# names, not ``torch.`` lookups, in the traced code: Dynamo checks in Python that each
+# module's ``torch`` global is the same object as another's it reads
+Tensor = torch.Tensor
+is_exporting = torch.compiler.is_exporting
 
 _FUSERS: weakref.WeakValueDictionary[int, OperationFuser] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
@@ -95,32 +101,34 @@ _allow_fuser_in_graph._dynamo_marked_constant = True  # what assume_constant_res
 
 def compiled_call(
     fuser: OperationFuser,
+    ops: Sequence[BasicOperation],
     input_: torch.Tensor,
     extra_inputs: Sequence[Any],
     basic_op_kwargs: Sequence[dict[str, Any] | None] | None,
 ):
     """The traced call as one :func:`fuser_in_graph` node, or None where the call must be
-    traced through (see the module docstring)."""
+    traced through (see the module docstring). ``ops``: the fuser's ops, as the caller
+    reached them (Dynamo checks in Python that two paths to one object agree)."""
     key = fuser.compiled_key
     if (
         key is None
-        or torch.compiler.is_exporting()
+        or is_exporting()
         or (basic_op_kwargs is not None and any(basic_op_kwargs))
-        or not all([isinstance(t, torch.Tensor) for t in extra_inputs])
-        or (fuser.honour_hooks and any([op.has_hooks() for op in fuser.ops]))
+        or not all([isinstance(t, Tensor) for t in extra_inputs])
+        or (fuser.honour_hooks and any([op.has_hooks() for op in ops]))
     ):
         return None
     version, library_rules_only = registry_state()
     if not library_rules_only:
         return None
-    param_dicts = [op.param_tensors() for op in fuser.ops]
+    param_dicts = [op.param_tensors() for op in ops]
     param_layout = tuple(tuple((name, t is not None) for name, t in d.items()) for d in param_dicts)
     params = [t for d in param_dicts for t in d.values() if t is not None]
     facts = (
         current_settings().facts,
         version,
         backend_registry_version(),
-        tuple([(op.training, op.compile_facts()) for op in fuser.ops]),
+        tuple([(op.training, op.compile_facts()) for op in ops]),
     )
     _allow_fuser_in_graph()
     return fuser_in_graph(key, facts, param_layout, len(extra_inputs), input_, *extra_inputs, *params)

@@ -10,6 +10,7 @@ import torch
 
 from .buffers import call_buffers, check_call_buffers
 from .fuser import OperationFuser
+from .fuser_compiled import compiled_call
 from .op import BasicOperation, TensorMeta
 from .plan import FusionPlan, SequentialPlan
 
@@ -114,8 +115,13 @@ class Sequential(torch.nn.Module):
         modules = tuple(self._modules.values())
         cached = self.__dict__.get("_groups")
         if cached is not None:
-            known, groups = cached
-            if len(known) == len(modules) and all(map(operator.is_, known, modules)):
+            known, known_ids, groups = cached
+            if torch.compiler.is_compiling():
+                # ids (the cache keeps the modules alive): Dynamo then guards each module's
+                # id, instead of checking in Python that two paths reach the same object
+                if known_ids == tuple([id(module) for module in modules]):
+                    return groups
+            elif len(known) == len(modules) and all(map(operator.is_, known, modules)):
                 return groups
         groups = []
         run: list[int] = []
@@ -131,7 +137,7 @@ class Sequential(torch.nn.Module):
             groups.append((run, OperationFuser([modules[j] for j in run], first_index=run[0])))
         if not torch.compiler.is_compiling():
             # traced: no side effect, which Dynamo would replay (a new fuser) on every call
-            self.__dict__["_groups"] = (modules, groups)
+            self.__dict__["_groups"] = (modules, tuple([id(module) for module in modules]), groups)
         return groups
 
     def __getstate__(self) -> dict[str, Any]:
@@ -236,6 +242,12 @@ class Sequential(torch.nn.Module):
             groups = self._get_groups()
             fuser = groups[0][1] if len(groups) == 1 else None
             if fuser is not None and len(extra_inputs) == fuser.num_extra_inputs:
+                if torch.compiler.is_compiling():
+                    # the ops as _get_groups read them: one path to each for Dynamo to guard
+                    ops = tuple(self._modules.values())
+                    result = compiled_call(fuser, ops, input, extra_inputs, None)
+                    if result is not None:
+                        return result
                 return fuser(input, *extra_inputs)  # one fuser group, nothing to route
         kwargs_by_index = self._resolve_op_kwargs(op_kwargs)
         per_group_extra = self._split_extra_inputs(extra_inputs)

@@ -129,7 +129,7 @@ class GroupedLinear(BasicOperation):
         this rank's groups, and ``to_local``'s backward turns the gradients back into DTensors."""
         params = super().param_tensors()
         for name, tensor in params.items():
-            if type(tensor).__name__ == "DTensor":
+            if tensor is not None and type(tensor).__name__ == "DTensor":
                 params[name] = local_groups(tensor)
         return params
 
