@@ -248,3 +248,13 @@ def test_fuser_keys():
     twin = copy.deepcopy(seq)._get_groups()[0][1]
     assert twin.compiled_key not in (None, fuser.compiled_key)
     assert expert_block(linear=MyGroupedLinear)._get_groups()[0][1].compiled_key is None
+
+
+def test_moe_layer_compiles_its_experts_to_one_in_graph_call():
+    torch.manual_seed(0)
+    moe = fo.MoE(8, 16, 4, 2)
+    graphs = Graphs()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    out = torch.compile(moe, backend=graphs, fullgraph=True)(x)
+    torch.testing.assert_close(out, moe(x), rtol=1e-5, atol=1e-6)
+    assert graphs.in_graph_calls == [1]
