@@ -110,14 +110,15 @@ def compiled_call(
     traced through (see the module docstring). ``ops``: the fuser's ops, as the caller
     reached them (Dynamo checks in Python that two paths to one object agree)."""
     key = fuser.compiled_key
-    if (
-        key is None
-        or is_exporting()
-        or (basic_op_kwargs is not None and any(basic_op_kwargs))
-        or not all([isinstance(t, Tensor) for t in extra_inputs])
-        or (fuser.honour_hooks and any([op.has_hooks() for op in ops]))
-    ):
+    if key is None or is_exporting() or (basic_op_kwargs is not None and any(basic_op_kwargs)):
         return None
+    for value in extra_inputs:
+        if not isinstance(value, Tensor):
+            return None
+    if fuser.honour_hooks:
+        for op in ops:  # what has_hooks reads, without a method lookup per op for Dynamo to guard
+            if op._forward_pre_hooks or op._forward_hooks or op._backward_hooks or op._backward_pre_hooks:
+                return None
     version, library_rules_only = registry_state()
     if not library_rules_only:
         return None
