@@ -30,7 +30,7 @@ _library_rules_only = [True]
 def _registry_changed() -> None:
     _registry_version[0] += 1
     _library_rules_only[0] = all(
-        getattr(rule, "__module__", "").startswith("fusible_ops.")
+        (getattr(rule, "__module__", None) or "").startswith("fusible_ops.")
         for rules in _RULES.values()
         for rule in rules
     )

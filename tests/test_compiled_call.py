@@ -258,3 +258,18 @@ def test_moe_layer_compiles_its_experts_to_one_in_graph_call():
     out = torch.compile(moe, backend=graphs, fullgraph=True)(x)
     torch.testing.assert_close(out, moe(x), rtol=1e-5, atol=1e-6)
     assert graphs.in_graph_calls == [1]
+
+
+def test_a_rule_without_a_module_counts_as_a_users():
+    from fusible_ops.fusion_rules import registry_state
+
+    def rule(entries, context):
+        return entries
+
+    rule.__module__ = None  # as for a function made by exec
+    fo.register_fusion(rule, kind="forward")
+    try:
+        assert registry_state()[1] is False
+    finally:
+        fo.unregister_fusion(rule)
+    assert registry_state()[1] is True
