@@ -42,6 +42,7 @@ import torch
 from .fusion_rules import registry_state
 from .kernels import backend_registry_version
 from .kernels.signature_checks import is_library_op
+from .op import has_module_hooks
 from .settings import current_settings
 
 if TYPE_CHECKING:
@@ -116,8 +117,8 @@ def compiled_call(
         if not isinstance(value, Tensor):
             return None
     if fuser.honour_hooks:
-        for op in ops:  # what has_hooks reads, without a method lookup per op for Dynamo to guard
-            if op._forward_pre_hooks or op._forward_hooks or op._backward_hooks or op._backward_pre_hooks:
+        for op in ops:
+            if has_module_hooks(op):
                 return None
     version, library_rules_only = registry_state()
     if not library_rules_only:

@@ -144,6 +144,18 @@ class FusibleOperation:
         raise NotImplementedError(f"{type(self).__name__} has no backward implementation")
 
 
+def has_module_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has its own forward (pre-)hooks or backward hooks (what
+    :meth:`BasicOperation.has_hooks` answers; a function, so that a traced call guards
+    the hooks it reads, not a method lookup per op)."""
+    return bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
 class BasicOperation(FusibleOperation, torch.nn.Module):
     """One small step of a network; owns its parameters.
 
@@ -213,9 +225,7 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
 
     def has_hooks(self) -> bool:
         """Whether :meth:`hook_reason` has a reason (checked on every call, so kept cheap)."""
-        return bool(
-            self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks
-        )
+        return has_module_hooks(self)
 
     def hook_reason(self) -> str | None:
         """Why this op must run alone through ``nn.Module.__call__`` (it has hooks), or None."""
