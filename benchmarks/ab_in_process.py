@@ -1,6 +1,6 @@
 """Two revisions of the library in one process: the per-call time of the fused expert block.
 
-Run: ``python benchmarks/ab_in_process.py BASE_REV [--rounds 300] [--base-first]``
+Run: ``python benchmarks/ab_in_process.py BASE_REV [--rounds 300] [--base-first] [--like-bench]``
 
 Runs on separate checkouts (one after the other) differ by more than a code change on a
 shared machine. This script copies ``fusible_ops/`` of ``BASE_REV`` (``git archive``) into
@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("base", help="the git revision to compare against (e.g. HEAD~1)")
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--base-first", action="store_true", help="list the base's variant first")
+    parser.add_argument(
+        "--like-bench",
+        action="store_true",
+        help="also run bench --small's other variants (unfused, both compiled ones): its cache pressure",
+    )
     args = parser.parse_args(argv)
     from fusible_ops.cli import bench
 
@@ -74,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         variants["grouped_mm"] = on(p_work, bench.timed_call(bench.grouped_mm_forward))
         variants["loop"] = on(p_work, bench.timed_call(bench.loop_forward))
         variants["dense"] = bench.DenseBound(p_work)
+        if args.like_bench:
+            variants["unfused"] = on(p_work, bench.timed_call(bench.unfused_forward))
+            for name in ("fused", "grouped_mm"):
+                forward = bench.compiled(bench.FORWARDS[name])
+                variants[f"{name}_compiled"] = on(p_work, bench.timed_call(forward))
         print(f"{bench.SMALL_SHAPE}, bf16, {args.rounds} rounds, base {args.base} vs the working tree")
         for mode, backward in (("forward", False), ("forward+backward", True)):
             times = bench.time_interleaved(variants, p_work, backward, args.rounds, 3)

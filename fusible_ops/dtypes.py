@@ -7,8 +7,17 @@ import torch
 
 def compute_dtype(input_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Autocast's dtype for ``device`` when autocast is enabled there, else ``input_dtype``."""
-    if input_dtype.is_floating_point and torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
+    return _autocast_dtype(input_dtype, device.type)
+
+
+def compute_dtype_of(tensor: torch.Tensor) -> torch.dtype:
+    """:func:`compute_dtype` of a tensor's dtype and device (without building a device object)."""
+    return _autocast_dtype(tensor.dtype, "cpu" if tensor.is_cpu else tensor.device.type)
+
+
+def _autocast_dtype(input_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    if input_dtype.is_floating_point and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
     return input_dtype
 
 

@@ -22,7 +22,7 @@ from .fusion_rules import (
     registry_version,
 )
 from .kernels.signature_checks import SignatureChecks, plan_takes_part
-from .op import BasicOperation, TensorMeta, preflight_is_static
+from .op import NO_ENTRIES, BasicOperation, TensorMeta, preflight_is_static
 from .plan import FusionPlan, PlanEntry
 from .settings import current_settings
 from .splits import start_call
@@ -431,7 +431,7 @@ class OperationFuser(HookedSegments):
             return FuserFunction.apply(input_, prepared.state, *unique_args)
         # nothing needs a gradient: no autograd Function, the plan runs directly
         if kwargs is None:
-            kwargs = [{} for _ in self.ops]
+            kwargs = [NO_ENTRIES] * len(self.ops)
         per_op_extra = self.split_extra_inputs(extra_inputs)
         checks = prepared.signature_checks
         return run_without_grad(prepared.plan, self.ops, input_, per_op_extra, kwargs, param_dicts, checks)

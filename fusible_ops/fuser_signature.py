@@ -35,9 +35,11 @@ from .settings import current_settings
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def autocast_state(device: torch.device) -> tuple:
-    if torch.is_autocast_enabled(device.type):
-        return (True, torch.get_autocast_dtype(device.type))
+def autocast_state(device: torch.device | str) -> tuple:
+    """``(enabled, dtype)`` of autocast on ``device`` (a device or a device type)."""
+    device_type = device if type(device) is str else device.type
+    if torch.is_autocast_enabled(device_type):
+        return (True, torch.get_autocast_dtype(device_type))
     return (False, None)
 
 
@@ -55,11 +57,13 @@ def call_signature(
     """
     if type(input_) not in _PLAIN:
         return None
-    # one flat list, written inline: this runs on every call
+    # one flat list, written inline: this runs on every call. A CPU tensor's device is
+    # "cpu" (``tensor.device`` builds a device object, a large part of a tiny call)
+    input_device = "cpu" if input_.is_cpu else input_.device
     parts: list[Any] = [
         input_.shape,
         input_.dtype,
-        input_.device,
+        input_device,
         input_.layout,
         input_.requires_grad,
         input_.is_inference(),
@@ -71,7 +75,7 @@ def call_signature(
             parts += (
                 value.shape,
                 value.dtype,
-                value.device,
+                "cpu" if value.is_cpu else value.device,
                 value.layout,
                 value.requires_grad,
                 value.is_inference(),
@@ -93,7 +97,7 @@ def call_signature(
                 kind,
                 tensor.shape,
                 tensor.dtype,
-                tensor.device,
+                "cpu" if tensor.is_cpu else tensor.device,
                 tensor.requires_grad,
                 tensor.is_inference(),
             )
@@ -109,7 +113,7 @@ def call_signature(
         current_settings(),
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
-        autocast_state(input_.device),
+        autocast_state(input_device),
         registry_version(),
     )
     return tuple(parts), unique, slots

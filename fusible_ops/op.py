@@ -7,11 +7,16 @@ the same thing with their parameters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
+
+
+#: an empty mapping that refuses writes (shared defaults: contexts, kwargs of calls without any)
+NO_ENTRIES: Mapping[str, Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,12 @@ class OperationContext:
     to_save: tuple[torch.Tensor | None, ...] = ()
     saved_tensors: tuple[torch.Tensor | None, ...] = ()
 
-    def __init__(self) -> None:
-        self.params: dict[str, torch.Tensor | None] = {}
-        self.param_requires_grad: dict[str, bool] = {}
-        self.to_save_named: dict[str, torch.Tensor | None] = {}
-        self.saved: dict[str, torch.Tensor | None] = {}
+    # read-only empty mappings until the fuser or the op assigns its own (a context is
+    # made per op and call: no four dicts per context)
+    params: Mapping[str, torch.Tensor | None] = NO_ENTRIES
+    param_requires_grad: Mapping[str, bool] = NO_ENTRIES
+    to_save_named: Mapping[str, torch.Tensor | None] = NO_ENTRIES
+    saved: Mapping[str, torch.Tensor | None] = NO_ENTRIES
 
     def save_for_backward(self, *tensors: torch.Tensor | None, **named: torch.Tensor | None) -> None:
         """Record tensors for backward (replaces anything saved earlier in this call)."""

@@ -45,7 +45,7 @@ class _LastSplits:
         self.version = -1
         self.values: list[int] = []
         self.checked: set[tuple[int, int]] = set()
-        self.infos: dict[torch.device, SplitInfo] = {}
+        self.infos: dict[torch.device | str, SplitInfo] = {}
 
     def values_of(self, tensor: torch.Tensor) -> list[int]:
         # inference tensors track no version: never reuse what was read from one
@@ -79,7 +79,7 @@ def start_call() -> None:
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:
     """Raise ``ValueError`` when ``split_sizes`` is unusable (host values checked eagerly)."""
     if isinstance(split_sizes, torch.Tensor):
-        on_host = split_sizes.device.type == "cpu" and not torch.compiler.is_compiling()
+        on_host = split_sizes.is_cpu and not torch.compiler.is_compiling()
         if on_host:
             last = _last_splits()
             if split_sizes is last.tensor and (num_groups, num_rows) in last.checked:
@@ -150,31 +150,33 @@ def host_offsets(host: list[int]) -> torch.Tensor:
     return offsets
 
 
-def to_split_info(split_sizes: Any, num_rows: int, device: torch.device) -> SplitInfo:
-    """Host list (when free to get) and device int32 offsets, without a host sync."""
+def to_split_info(split_sizes: Any, num_rows: int, rows: torch.Tensor) -> SplitInfo:
+    """Host list (when free to get) and int32 offsets on ``rows``' device, without a host sync."""
     tracing = torch.compiler.is_compiling()
+    on_cpu = rows.is_cpu  # not rows.device: building a device object is a large part of a tiny call
     if isinstance(split_sizes, torch.Tensor):
-        if split_sizes.device.type == "cpu" and not tracing:
+        if split_sizes.is_cpu and not tracing:
             last = _last_splits()
             host = last.values_of(split_sizes)
-            info = last.infos.get(device)
+            device_key = "cpu" if on_cpu else rows.device
+            info = last.infos.get(device_key)
             if info is None:
                 offsets = host_offsets(host)
-                if device.type != "cpu":
-                    offsets = offsets.to(device, non_blocking=True)
-                info = SplitInfo(host, offsets, split_sizes if device.type != "cpu" else None)
-                last.infos[device] = info
+                if not on_cpu:
+                    offsets = offsets.to(rows.device, non_blocking=True)
+                info = SplitInfo(host, offsets, None if on_cpu else split_sizes)
+                last.infos[device_key] = info
             return info
         ok = (split_sizes >= 0).all() & (split_sizes.sum() == num_rows)
         torch._assert_async(ok, "split_sizes must be non-negative and sum to the number of input rows")
-        offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(device)
-        on_host = split_sizes.device.type == "cpu" and device.type != "cpu"
+        offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(rows.device)
+        on_host = split_sizes.is_cpu and not on_cpu
         return SplitInfo(None, offsets, split_sizes if on_host else None)
     if tracing:
         offsets = torch.tensor(list(split_sizes), dtype=torch.int64).cumsum(0).to(torch.int32)
-        return SplitInfo(None, offsets.to(device), None)
+        return SplitInfo(None, offsets.to(rows.device), None)
     host = [int(v) for v in split_sizes]
     offsets = host_offsets(host)
-    if device.type != "cpu":
-        offsets = offsets.to(device, non_blocking=True)
+    if not on_cpu:
+        offsets = offsets.to(rows.device, non_blocking=True)
     return SplitInfo(host, offsets)

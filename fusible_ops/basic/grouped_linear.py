@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, validate_or_alloc_rows
-from ..dtypes import cast, compute_dtype
+from ..dtypes import cast, compute_dtype, compute_dtype_of
 from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.signature_checks import signature_fixes_kernel_args
@@ -202,11 +202,11 @@ class GroupedLinear(BasicOperation):
         output: torch.Tensor | None = None,
         grad_input: torch.Tensor | None = None,  # reaches backward as ctx.grad_input_buffer
     ) -> torch.Tensor:
-        dtype = compute_dtype(input_.dtype, input_.device)
+        dtype = compute_dtype_of(input_)
         weight_param = ctx.params["weight"]
         x = cast(as_rows(input_, self.in_features), dtype)
         weight, bias = cast(self.weight_out_in(weight_param), dtype), cast(ctx.params["bias"], dtype)
-        splits = to_split_info(split_sizes, x.shape[0], x.device)
+        splits = to_split_info(split_sizes, x.shape[0], x)
         backend: GroupedGemmBackend = ctx.backend_choice.backend  # the plan's choice
         out_shape = (*input_.shape[:-1], self.out_features)
         out2d = buffer_rows(output, x.shape[0], self.out_features)  # checked in preflight

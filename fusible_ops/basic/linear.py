@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..dtypes import cast, compute_dtype
+from ..dtypes import cast, compute_dtype, compute_dtype_of
 from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from .grouped_linear import check_float_input
 from .linear_dispatch import tp_linear_forward
@@ -79,7 +79,7 @@ def linear_forward(
     if _is_dtensor(weight):
         dtype = input_.dtype
     else:
-        dtype = compute_dtype(input_.dtype, input_.device)
+        dtype = compute_dtype_of(input_)
         input_, weight, bias = cast(input_, dtype), cast(weight, dtype), cast(bias, dtype)
     if ctx.requires_grad:
         # the fuser saves the weight with every parameter of the call

@@ -20,7 +20,7 @@ from ..basic.grouped_linear import GroupedLinear
 from ..basic.scale import Scale
 from ..basic.scaled_activations import ScaledActivation
 from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows
-from ..dtypes import cast, compute_dtype
+from ..dtypes import cast, compute_dtype_of
 from ..fusion_rules import FusionContext, register_fusion, window_rule
 from ..kernels import BackendChoice, select_backend
 from ..kernels import library as kernel_ops
@@ -63,11 +63,11 @@ class GroupedMLP(FusedOperation):
         fc1, fc2 = self.fc1, self.fc2
         ctx1: OperationContext = basic_op_ctxs[0]
         p1, p2 = basic_op_ctxs[0].params, basic_op_ctxs[2].params
-        dtype = compute_dtype(input_.dtype, input_.device)
+        dtype = compute_dtype_of(input_)
         x = cast(as_rows(input_, fc1.in_features), dtype)
         w1, w2 = cast(fc1.weight_out_in(p1["weight"]), dtype), cast(fc2.weight_out_in(p2["weight"]), dtype)
         b1, b2 = cast(p1["bias"], dtype), cast(p2["bias"], dtype)
-        splits = to_split_info(basic_op_extra_inputs[0][0], x.shape[0], x.device)
+        splits = to_split_info(basic_op_extra_inputs[0][0], x.shape[0], x)
         scales_in = basic_op_extra_inputs[self._scales_position()][0]
         scales = as_flat(scales_in)
         out_shape = (*input_.shape[:-1], fc2.out_features)

@@ -317,7 +317,11 @@ class GroupedGemmBackend:
         return sizes
 
     def _fuses(self, activation: ActivationSpec, rows: Tensor) -> bool:
-        return rows.shape[0] > 0 and self.fused_activation_reason(activation, rows.device) is None
+        if rows.shape[0] == 0:
+            return False
+        if type(self).fused_activation_reason is GroupedGemmBackend.fused_activation_reason:
+            return self.fused_activation  # what the base method reads (no device object per call)
+        return self.fused_activation_reason(activation, rows.device) is None
 
     def _run_fprop(self, x, weight, split_sizes, offsets, bias, out) -> Tensor:
         if x.shape[0] == 0:
