@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-
 #: an empty mapping that refuses writes (shared defaults: contexts, kwargs of calls without any)
 NO_ENTRIES: Mapping[str, Any] = MappingProxyType({})
 
