@@ -171,7 +171,7 @@ def compares_by_value(value: Any) -> bool:
         return all(isinstance(v, int) for v in value)
     return (
         isinstance(value, torch.Tensor)
-        and value.device.type == "cpu"
+        and value.is_cpu  # not value.device: this runs on every call
         and not value.is_floating_point()
         and value.dim() == 1
         and value.numel() <= _CHEAP_COMPARE_NUMEL

@@ -302,7 +302,7 @@ class TorchCpuBackend(TorchLoopBackend):
         """
         rows = grad_y.shape[0]
         grad_pre = self._empty(tuple(pre.shape), pre)
-        grad_scales = None if scales is None else torch.empty(rows, dtype=scales.dtype, device=scales.device)
+        grad_scales = None if scales is None else scales.new_empty(rows)
         covered = sum(split_sizes)
         act = self._whole_dgrad(grad_y, weight, split_sizes)  # fresh memory: no copy into a buffer
         if act is None:
