@@ -34,14 +34,17 @@ class _LastSplits:
     """The most recent CPU split-size tensor seen, its version and what was derived from it.
 
     One call hands the same tensor to fc1 and fc2 (and preflight checks it before either
-    runs): its values are read once, not four times. Every fuser call starts afresh
+    runs): its values are read once, not four times. Every fuser call reads them afresh
     (:func:`start_call`), because a write through a shared NumPy or DLPack view changes
     the values without bumping the version counter; within a call the version counter
-    makes an in-place change a miss. Never used while tracing.
+    makes an in-place change a miss. What was derived from the values (which checks they
+    passed, the offsets per device) is kept when a fresh read of the same tensor finds the
+    same values. Never used while tracing.
     """
 
     def __init__(self) -> None:
-        self.tensor: torch.Tensor | None = None
+        self.tensor: torch.Tensor | None = None  # None: read afresh
+        self.read_from: torch.Tensor | None = None  # the tensor ``values`` were last read from
         self.version = -1
         self.values: list[int] = []
         self.checked: set[tuple[int, int]] = set()
@@ -51,9 +54,11 @@ class _LastSplits:
         # inference tensors track no version: never reuse what was read from one
         version = None if tensor.is_inference() else tensor._version
         if tensor is not self.tensor or version is None or version != self.version:
-            self.tensor, self.version = tensor, version
-            self.values = tensor.tolist()  # an integer tensor: Python ints
-            self.checked, self.infos = set(), {}
+            values = tensor.tolist()  # an integer tensor: Python ints
+            if tensor is not self.read_from or values != self.values:
+                # the infos hold the tensor itself (``host_sizes``): only its own equal values keep them
+                self.values, self.checked, self.infos = values, set(), {}
+            self.tensor, self.read_from, self.version = tensor, tensor, version
         return self.values
 
 

@@ -650,3 +650,21 @@ def test_split_sizes_written_through_numpy_between_calls_are_read_again():
     got = lin(x, splits)
     want = torch.cat([x[:3] @ lin.weight[0].T, x[3:] @ lin.weight[1].T]).detach()
     torch.testing.assert_close(got, want)
+
+
+def test_split_sizes_made_invalid_through_numpy_between_calls_raise():
+    """What a call derived from the values (the checks they passed) is kept only while a
+    fresh read finds the same values: a write that breaks them is caught."""
+    np = pytest.importorskip("numpy")
+    lin = fo.GroupedLinear(2, 4, 4)
+    x = torch.randn(4, 4)
+    sizes_np = np.array([1, 3])
+    splits = torch.from_numpy(sizes_np)
+    lin(x, splits)
+    lin(x, splits)  # same values: the earlier checks and offsets are reused
+    sizes_np[:] = [3, 3]
+    with pytest.raises(ValueError, match="GroupedLinear: split_sizes sum to 6 but the input has 4 rows"):
+        lin(x, splits)
+    sizes_np[:] = [-1, 5]
+    with pytest.raises(ValueError, match="GroupedLinear: split_sizes must be non-negative"):
+        lin(x, splits)
