@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--like-bench",
         action="store_true",
-        help="also run bench --small's other variants (unfused, both compiled ones): its cache pressure",
+        help="also run bench --small's other variants (unfused, compiled ones; both revisions' fused "
+        "block compiled): its cache pressure, and a compiled A/B",
     )
     args = parser.parse_args(argv)
     from fusible_ops.cli import bench
@@ -81,9 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         variants["dense"] = bench.DenseBound(p_work)
         if args.like_bench:
             variants["unfused"] = on(p_work, bench.timed_call(bench.unfused_forward))
-            for name in ("fused", "grouped_mm"):
-                forward = bench.compiled(bench.FORWARDS[name])
-                variants[f"{name}_compiled"] = on(p_work, bench.timed_call(forward))
+            compiled = {
+                "base_compiled": on(p_base, base.timed_call(base.compiled(base.fused_forward))),
+                "work_compiled": on(p_work, bench.timed_call(bench.compiled(bench.fused_forward))),
+                "grouped_mm_compiled": on(p_work, bench.timed_call(bench.compiled(bench.grouped_mm_forward))),
+            }
+            variants.update(compiled)
         print(f"{bench.SMALL_SHAPE}, bf16, {args.rounds} rounds, base {args.base} vs the working tree")
         for mode, backward in (("forward", False), ("forward+backward", True)):
             times = bench.time_interleaved(variants, p_work, backward, args.rounds, 3)
@@ -93,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{med['grouped_mm']:.0f} us; work / base {med['work'] / med['base']:.3f}; "
                 f"/ composition: base {med['base'] / med['grouped_mm']:.2f}, work {med['work'] / med['grouped_mm']:.2f}"
             )
+            if args.like_bench:
+                base_c, work_c, composition_c = (
+                    med[f"{name}_compiled"] for name in ("base", "work", "grouped_mm")
+                )
+                print(
+                    f"{mode}, compiled: base {base_c:.0f} us, work {work_c:.0f} us, composition "
+                    f"{composition_c:.0f} us; work / base {work_c / base_c:.3f}; / composition: "
+                    f"base {base_c / composition_c:.2f}, work {work_c / composition_c:.2f}"
+                )
     return 0
 
 
