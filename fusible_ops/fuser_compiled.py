@@ -14,9 +14,9 @@ call's tensors as inputs: the same checks, plan, autograd Function and custom op
 eager call, run once per compilation. Dynamo guards the tensors (as for any module) and
 the facts:
 
-- the settings in force (:class:`~fusible_ops.settings.Settings`);
-- the fusion-rule registry's version, and that it holds only the library's rules;
-- the kernel-backend registry's version;
+- the settings in force (:class:`~fusible_ops.settings.Settings`, as a key per distinct value);
+- the state of the fusion-rule and kernel-backend registries, and that the former holds
+  only the library's rules (one number, :mod:`fusible_ops.registry_versions`);
 - each op's ``training`` flag and its configuration (:meth:`BasicOperation.compile_facts`);
 - which parameters each op has (a ``None`` bias, a parametrization's extra tensors).
 
@@ -39,11 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .fusion_rules import registry_state
-from .kernels import backend_registry_version
 from .kernels.signature_checks import is_library_op
 from .op import has_module_hooks
-from .settings import current_settings
+from .registry_versions import COMPILED_CALLS_KEY
+from .settings import THREAD_SETTINGS
 
 if TYPE_CHECKING:
     from .fuser import OperationFuser
@@ -120,16 +119,16 @@ def compiled_call(
         for op in ops:
             if has_module_hooks(op):
                 return None
-    version, library_rules_only = registry_state()
-    if not library_rules_only:
-        return None
+    # the global facts as two ints (one guard each), read directly, not through functions
+    registries = COMPILED_CALLS_KEY[0]
+    if registries < 0:
+        return None  # a user's fusion rule is registered
     param_dicts = [op.param_tensors() for op in ops]
     param_layout = tuple(tuple((name, t is not None) for name, t in d.items()) for d in param_dicts)
     params = [t for d in param_dicts for t in d.values() if t is not None]
     facts = (
-        current_settings().facts,
-        version,
-        backend_registry_version(),
+        THREAD_SETTINGS.facts_key,
+        registries,
         tuple([(op.training, op.compile_facts()) for op in ops]),
     )
     _allow_fuser_in_graph()

@@ -16,6 +16,7 @@ import torch
 
 from .op import BasicOperation, FusedOperation
 from .plan import FusionDecision, PlanEntry
+from .registry_versions import registries_changed
 from .settings import Settings
 
 RuleFn = Callable[[list[PlanEntry], "FusionContext"], list[PlanEntry]]
@@ -34,6 +35,7 @@ def _registry_changed() -> None:
         for rules in _RULES.values()
         for rule in rules
     )
+    registries_changed(user_rules=not _library_rules_only[0])
 
 
 def register_fusion(rule: RuleFn, *, kind: str, prepend: bool = False) -> RuleFn:

@@ -153,12 +153,14 @@ def has_module_hooks(module: torch.nn.Module) -> bool:
     """Whether ``module`` has its own forward (pre-)hooks or backward hooks (what
     :meth:`BasicOperation.has_hooks` answers; a function, so that a traced call guards
     the hooks it reads, not a method lookup per op)."""
-    return bool(
+    if (
         module._forward_pre_hooks
         or module._forward_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
-    )
+    ):
+        return True
+    return False  # not bool(...): one builtin fewer for a traced call to guard
 
 
 class BasicOperation(FusibleOperation, torch.nn.Module):

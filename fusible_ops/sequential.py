@@ -14,6 +14,9 @@ from .fuser_compiled import compiled_call
 from .op import BasicOperation, TensorMeta
 from .plan import FusionPlan, SequentialPlan
 
+# a name, not a ``torch.`` lookup, in the traced code (one guard, not one per attribute)
+is_compiling = torch.compiler.is_compiling
+
 if TYPE_CHECKING:
     from .moe import ExpertPlacement
 
@@ -137,12 +140,15 @@ class Sequential(torch.nn.Module):
             groups.append((run, OperationFuser([modules[j] for j in run], first_index=run[0])))
         if not torch.compiler.is_compiling():
             # traced: no side effect, which Dynamo would replay (a new fuser) on every call
-            self.__dict__["_groups"] = (modules, tuple([id(module) for module in modules]), groups)
+            ids = tuple([id(module) for module in modules])
+            self.__dict__["_groups"] = (modules, ids, groups)
+            # what a compiled call reads instead (fewer guards than the groups' structure)
+            self.__dict__["_route"] = (ids, groups[0][1]) if len(groups) == 1 and groups[0][1] else None
         return groups
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_groups"] = None
+        state["_groups"] = state["_route"] = None
         return state
 
     # ------------------------------------------------------------ op_kwargs
@@ -239,15 +245,19 @@ class Sequential(torch.nn.Module):
     # ------------------------------------------------------------ running
     def forward(self, input: torch.Tensor, *extra_inputs: Any, op_kwargs: Mapping[Any, Any] | None = None):
         if op_kwargs is None:
+            if is_compiling():
+                # one fuser group of the current modules (their ids, read once: one path
+                # to each op for Dynamo to guard): the in-graph call, if it applies
+                route = self.__dict__.get("_route")
+                if route is not None and len(extra_inputs) == route[1].num_extra_inputs:
+                    ops = tuple(self._modules.values())
+                    if route[0] == tuple([id(op) for op in ops]):
+                        result = compiled_call(route[1], ops, input, extra_inputs, None)
+                        if result is not None:
+                            return result
             groups = self._get_groups()
             fuser = groups[0][1] if len(groups) == 1 else None
             if fuser is not None and len(extra_inputs) == fuser.num_extra_inputs:
-                if torch.compiler.is_compiling():
-                    # the ops as _get_groups read them: one path to each for Dynamo to guard
-                    ops = tuple(self._modules.values())
-                    result = compiled_call(fuser, ops, input, extra_inputs, None)
-                    if result is not None:
-                        return result
                 return fuser(input, *extra_inputs)  # one fuser group, nothing to route
         kwargs_by_index = self._resolve_op_kwargs(op_kwargs)
         per_group_extra = self._split_extra_inputs(extra_inputs)

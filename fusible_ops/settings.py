@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,8 +37,26 @@ _TYPES: dict[str, type] = {"fusion": bool, "backend": str, "triton_autotune": bo
 
 
 class _SettingsStack(threading.local):
+    """Per thread: the settings stack, and a key of its top's :attr:`Settings.facts` (kept
+    with every push and pop, so that a compiled call guards one int, not each field)."""
+
     def __init__(self) -> None:
         self.stack: list[Settings] = [Settings()]
+        self.facts_key = _facts_key(self.stack[-1])
+
+    def top_changed(self) -> None:
+        self.facts_key = _facts_key(self.stack[-1])
+
+
+_FACTS_KEYS: dict[tuple, int] = {}
+_NEXT_KEY = itertools.count()
+
+
+def _facts_key(settings: Settings) -> int:
+    """An int per distinct :attr:`Settings.facts` (equal settings, equal key; ``next`` and
+    ``setdefault`` are atomic, so two threads never give one key to different settings)."""
+    key = _FACTS_KEYS.get(settings.facts)
+    return _FACTS_KEYS.setdefault(settings.facts, next(_NEXT_KEY)) if key is None else key
 
 
 _STATE = _SettingsStack()
@@ -46,6 +65,10 @@ _STATE = _SettingsStack()
 def current_settings() -> Settings:
     """The settings in force on this thread."""
     return _STATE.stack[-1]
+
+
+#: this thread's settings stack; ``THREAD_SETTINGS.facts_key`` stands for the settings in force
+THREAD_SETTINGS = _STATE
 
 
 @contextlib.contextmanager
@@ -77,7 +100,9 @@ def settings(**changes: object) -> Iterator[Settings]:
             )
     new = dataclasses.replace(current_settings(), **changes)
     _STATE.stack.append(new)
+    _STATE.top_changed()
     try:
         yield new
     finally:
         _STATE.stack.pop()
+        _STATE.top_changed()

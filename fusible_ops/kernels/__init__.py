@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..registry_versions import registries_changed
 from .base import GroupedGemmBackend
 
 # name -> (module, class) imported on first use, or the class itself; the order within a
@@ -139,7 +140,7 @@ _backend_version = [0]
 
 
 def backend_registry_version() -> int:
-    """Bumped by every change to the registry or its caches (compiled calls guard on it)."""
+    """Bumped by every change to the registry or its caches."""
     return _backend_version[0]
 
 
@@ -148,6 +149,7 @@ def clear_backend_cache() -> None:
     _choices.clear()
     _instances.clear()
     _backend_version[0] += 1
+    registries_changed()  # what compiled calls guard on
 
 
 def select_backend(
