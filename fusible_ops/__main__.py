@@ -71,7 +71,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{help_text} (default: {getattr(d, name)}, or {getattr(s, name)} with --small)",
         )
     parser.add_argument(
-        "--repeats", type=positive_int, metavar="N", help="timed rounds (default: 10, or 50 with --small)"
+        "--repeats",
+        type=positive_int,
+        metavar="N",
+        help="timed rounds; tiny calls on a shared machine need many (default: 10, or 300 with --small)",
     )
     parser.add_argument(
         "--compile",

@@ -229,7 +229,7 @@ def test_help_is_plain_text_and_shows_every_bench_default(capsys, monkeypatch):
         "--hidden": "1024, or 64 with --small",
         "--ffn": "1408, or 64 with --small",
         "--rows": "8192, or 64 with --small",
-        "--repeats": "10, or 50 with --small",
+        "--repeats": "10, or 300 with --small",
         "--compile": "on with --small, else off",
         "--progress": "on, off with --small",
         "--json": "none",

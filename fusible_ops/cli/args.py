@@ -159,7 +159,7 @@ def check_bench_args(args: argparse.Namespace) -> BenchConfig:
                 raise UsageError(f"--{name} must be a positive integer (>= 1), got {value}")
             overrides[name] = value
     shape = Shape(**{**asdict(shape), **overrides})
-    repeats = args.repeats if args.repeats is not None else (50 if args.small else 10)
+    repeats = args.repeats if args.repeats is not None else (300 if args.small else 10)
     if repeats < 1:
         raise UsageError(f"--repeats must be a positive integer (>= 1), got {repeats}")
     if args.dtype not in BENCH_DTYPES:
