@@ -143,7 +143,8 @@ class Sequential(torch.nn.Module):
             ids = tuple([id(module) for module in modules])
             self.__dict__["_groups"] = (modules, ids, groups)
             # what a compiled call reads instead (fewer guards than the groups' structure)
-            self.__dict__["_route"] = (ids, groups[0][1]) if len(groups) == 1 and groups[0][1] else None
+            single = groups[0][1] if len(groups) == 1 else None
+            self.__dict__["_route"] = None if single is None else (ids, single)
         return groups
 
     def __getstate__(self) -> dict[str, Any]:
