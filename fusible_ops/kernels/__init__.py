@@ -136,19 +136,10 @@ class BackendUnavailableError(RuntimeError):
 _choices: dict[tuple, BackendChoice] = {}
 
 
-_backend_version = [0]
-
-
-def backend_registry_version() -> int:
-    """Bumped by every change to the registry or its caches."""
-    return _backend_version[0]
-
-
 def clear_backend_cache() -> None:
     """Forget cached probe results (e.g. after installing a package in-process)."""
     _choices.clear()
     _instances.clear()
-    _backend_version[0] += 1
     registries_changed()  # what compiled calls guard on
 
 
@@ -246,7 +237,6 @@ __all__ = [
     "BackendUnavailableError",
     "GroupedGemmBackend",
     "backend_names",
-    "backend_registry_version",
     "backend_report",
     "clear_backend_cache",
     "get_backend",
