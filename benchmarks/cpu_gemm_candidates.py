@@ -28,9 +28,9 @@ from fusible_ops.kernels.activation import (  # noqa: E402
     scaled_activation_backward,
     scaled_activation_forward,
 )
-from fusible_ops.kernels.torch_cpu import TorchCpuBackend  # noqa: E402
-from fusible_ops.kernels.torch_grouped_mm import TorchGroupedMMBackend  # noqa: E402
-from fusible_ops.kernels.torch_loop import TorchLoopBackend  # noqa: E402
+from fusible_ops.kernels.cpu.backend import TorchCpuBackend  # noqa: E402
+from fusible_ops.kernels.pytorch.grouped_mm import TorchGroupedMMBackend  # noqa: E402
+from fusible_ops.kernels.pytorch.loop import TorchLoopBackend  # noqa: E402
 
 SPLITS = [1536, 512, 0, 2048, 768, 1280, 1024, 1024]  # 8192 rows, expert 2 empty
 HIDDEN, FFN = 1024, 1408

@@ -35,14 +35,9 @@ from .basic import (
     SReLU,
     SwiGLU,
 )
-from .buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_output
-from .composites import Linear
-from .fused import GroupedMLP
-from .fuser import OperationFuser
-from .fusion_rules import FusionContext, register_fusion, unregister_fusion, window_rule
-from .kernels import BackendUnavailableError
-from .moe_layer import MoE
-from .op import (
+from .basic.composites import Linear
+from .core.buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_output
+from .core.op import (
     BasicOperation,
     FusedBackward,
     FusedForward,
@@ -51,9 +46,14 @@ from .op import (
     OpBackward,
     OperationContext,
 )
-from .plan import FusionDecision, FusionPlan, SequentialPlan
-from .sequential import Sequential
-from .settings import Settings, current_settings, settings
+from .core.settings import Settings, current_settings, settings
+from .fused import GroupedMLP
+from .fuser.operation_fuser import OperationFuser
+from .fuser.plan import FusionDecision, FusionPlan, SequentialPlan
+from .fuser.rules import FusionContext, register_fusion, unregister_fusion, window_rule
+from .fuser.sequential import Sequential
+from .kernels import BackendUnavailableError
+from .moe.layer import MoE
 
 __version__ = "0.1.0"
 

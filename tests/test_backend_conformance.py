@@ -29,7 +29,7 @@ from fusible_ops.kernels import (
     unregister_backend,
 )
 from fusible_ops.kernels.activation import ActivationSpec
-from fusible_ops.kernels.torch_loop import TorchLoopBackend
+from fusible_ops.kernels.pytorch.loop import TorchLoopBackend
 
 CPU = torch.device("cpu")
 
@@ -379,7 +379,7 @@ def test_register_prefer_on_and_unregister_restore_selection():
         unregister_backend(_Preferred.name)
     assert select_backend(CPU, torch.float32, purpose="mlp").name == "cpu"
     assert _Preferred.name not in backend_names()
-    register_backend("loop_by_path", "fusible_ops.kernels.torch_loop", "TorchLoopBackend")
+    register_backend("loop_by_path", "fusible_ops.kernels.pytorch.loop", "TorchLoopBackend")
     try:
         assert isinstance(get_backend("loop_by_path"), TorchLoopBackend)
     finally:

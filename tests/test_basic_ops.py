@@ -426,8 +426,8 @@ def test_the_activation_table_is_what_ops_rules_and_backends_use():
     from fusible_ops.basic.scaled_activations import ScaledActivation
     from fusible_ops.fused.grouped_mlp import SUPPORTED_ACTIVATIONS
     from fusible_ops.kernels.activation import ACTIVATIONS, EXPERT_BLOCK_KINDS, ActivationSpec
-    from fusible_ops.kernels.cudnn_fe_adapter import glu_unsupported_reason
-    from fusible_ops.moe_layer import MOE_ACTIVATIONS
+    from fusible_ops.kernels.cudnn.adapter import glu_unsupported_reason
+    from fusible_ops.moe.layer import MOE_ACTIVATIONS
 
     def op_classes(base):
         found, pending = {}, [base]
@@ -470,14 +470,14 @@ def test_the_plan_says_whether_the_activation_runs_fused_as_the_table_says():
 def test_the_triton_kernels_know_every_activation_of_the_table():
     pytest.importorskip("triton")
     from fusible_ops.kernels.activation import ACTIVATIONS
-    from fusible_ops.kernels.triton_kernels import _ACT_CODES
+    from fusible_ops.kernels.triton.kernels import _ACT_CODES
 
     assert set(_ACT_CODES) == {k for k, row in ACTIVATIONS.items() if "triton" in row.epilogue_backends}
 
 
 def test_the_cpu_hand_fused_kinds_are_rows_of_the_table():
     from fusible_ops.kernels.activation import ACTIVATIONS, ActivationSpec
-    from fusible_ops.kernels.torch_cpu import HAND_FUSED_KINDS, TorchCpuBackend
+    from fusible_ops.kernels.cpu.backend import HAND_FUSED_KINDS, TorchCpuBackend
 
     for kind in HAND_FUSED_KINDS:
         assert "cpu" in ACTIVATIONS[kind].epilogue_backends

@@ -9,7 +9,7 @@ import torch
 
 import fusible_ops as fo
 from fusible_ops.basic.grouped_linear import GroupedLinear
-from fusible_ops.op import preflight_is_static
+from fusible_ops.core.op import preflight_is_static
 
 SPLITS = [5, 0, 7, 4]
 ROWS, HIDDEN, FFN, EXPERTS = 16, 8, 6, 4

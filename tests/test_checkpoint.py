@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fusible_ops as fo
+from fusible_ops import MoE
 from fusible_ops.checkpoint import (
     expert_range,
     export_grouped_keys,
@@ -17,7 +18,6 @@ from fusible_ops.checkpoint import (
     load_stacked,
 )
 from fusible_ops.moe import ExpertPlacement
-from fusible_ops.moe_layer import MoE
 
 E, H, F = 4, 6, 3
 

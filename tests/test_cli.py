@@ -130,7 +130,7 @@ def test_bench_refuses_misaligned_sizes(capsys):
 def test_bench_reports_a_backend_that_refuses_the_problem(capsys, monkeypatch):
     """What the flags' own checks miss, building the plan (``explain``) catches before the run."""
     from fusible_ops.kernels import clear_backend_cache
-    from fusible_ops.kernels.torch_loop import TorchLoopBackend
+    from fusible_ops.kernels.pytorch.loop import TorchLoopBackend
 
     clear_backend_cache()
     monkeypatch.setattr(

@@ -1,4 +1,4 @@
-"""Compiled fuser calls as one in-graph function (fusible_ops.fuser_compiled): few guards,
+"""Compiled fuser calls as one in-graph function (fusible_ops.fuser.compiled): few guards,
 and every fact the plan depends on still recompiles when it changes."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import make_boxed_func
 
 import fusible_ops as fo
-from fusible_ops.fuser_compiled import fuser_in_graph
+from fusible_ops.fuser.compiled import fuser_in_graph
 from fusible_ops.kernels.activation import ActivationSpec
 
 EXPERTS, HIDDEN, FFN = 4, 16, 24
@@ -267,7 +267,7 @@ def test_moe_layer_compiles_its_experts_to_one_in_graph_call():
 
 
 def test_a_rule_without_a_module_counts_as_a_users():
-    from fusible_ops.fusion_rules import registry_state
+    from fusible_ops.fuser.rules import registry_state
 
     def rule(entries, context):
         return entries

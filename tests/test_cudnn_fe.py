@@ -19,7 +19,7 @@ from reference_ops import activation_of, grouped_fprop, offsets_of
 from fusible_ops.kernels import cudnn_fe_adapter as adapter
 from fusible_ops.kernels import cudnn_fe_probe as probe_mod
 from fusible_ops.kernels.activation import ActivationSpec, split_gate_linear
-from fusible_ops.kernels.cudnn_fe import CudnnFrontendBackend
+from fusible_ops.kernels.cudnn.backend import CudnnFrontendBackend
 
 # ---------------------------------------------------------------- the fake frontend
 

@@ -311,7 +311,7 @@ def test_settings_values_of_the_wrong_type_are_refused(changes):
 
 
 def test_settings_types_cover_every_setting():
-    from fusible_ops.settings import _TYPES
+    from fusible_ops.core.settings import _TYPES
 
     assert set(_TYPES) == {f.name for f in __import__("dataclasses").fields(fo.Settings)}
     for name, value in fo.Settings().__dict__.items():
@@ -331,7 +331,7 @@ def _reordering_rule(entries, context):
 
 
 def _wrong_ops_rule(entries, context):
-    from fusible_ops.plan import PlanEntry
+    from fusible_ops.fuser.plan import PlanEntry
 
     first = entries[0]
     return [PlanEntry(entries[1].op, first.indices), *entries[1:]]  # op 1 claims to be op 0

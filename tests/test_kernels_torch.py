@@ -22,10 +22,10 @@ from reference_ops import (
 )
 
 from fusible_ops.kernels.activation import ActivationSpec
-from fusible_ops.kernels.cpu_buffer_pool import CpuBufferPool
-from fusible_ops.kernels.torch_cpu import TorchCpuBackend
-from fusible_ops.kernels.torch_grouped_mm import TorchGroupedMMBackend
-from fusible_ops.kernels.torch_loop import TorchLoopBackend
+from fusible_ops.kernels.cpu.backend import TorchCpuBackend
+from fusible_ops.kernels.cpu.buffer_pool import CpuBufferPool
+from fusible_ops.kernels.pytorch.grouped_mm import TorchGroupedMMBackend
+from fusible_ops.kernels.pytorch.loop import TorchLoopBackend
 
 
 def _cpu_per_group() -> TorchCpuBackend:

@@ -362,7 +362,7 @@ def test_unpermute_out_of_range_token_index_fails_in_the_graph():
 # ---------------------------------------------------------------- MoE layer
 
 import fusible_ops as fo  # noqa: E402
-from fusible_ops.moe_layer import MoE  # noqa: E402
+from fusible_ops import MoE  # noqa: E402
 
 
 def _moe_reference_check(moe, x, activation, score, renormalize, atol=1e-10):

@@ -7,8 +7,8 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounter
 
+from fusible_ops import MoE
 from fusible_ops.moe import permute, topk_route, unpermute
-from fusible_ops.moe_layer import MoE
 
 E, H, K = 5, 4, 2
 

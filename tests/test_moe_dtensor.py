@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from test_moe_ep import FFN, HIDDEN, NUM_EXPERTS, _global_tokens, _init_weights, _spawn
 
+from fusible_ops import MoE
 from fusible_ops.checkpoint import export_grouped_keys, export_stacked, load_grouped_keys, load_stacked
-from fusible_ops.moe_layer import MoE
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fusible_ops as fo
+from fusible_ops import MoE
 from fusible_ops.checkpoint import export_stacked, load_stacked
 from fusible_ops.moe import permute, topk_route, unpermute
-from fusible_ops.moe_layer import MoE
-from fusible_ops.parallel.expert_parallel import ExpertParallel
+from fusible_ops.moe.expert_parallel import ExpertParallel
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),

@@ -1,7 +1,7 @@
 """fo.MoE's routing, shared-expert, capacity and load-balancing options vs a per-token float64 reference.
 
 The reference below routes one token at a time with Python loops over experts and groups
-(written from the formulas in docs/moe.md, not from fusible_ops.moe_router), and gets
+(written from the formulas in docs/moe.md, not from fusible_ops.moe.router), and gets
 every gradient from autograd on that loop.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import reference_ops as ref
 import torch
 
-from fusible_ops.moe_layer import MoE
+from fusible_ops import MoE
 
 H, F, S = 6, 5, 4  # hidden, expert ffn, shared ffn
 

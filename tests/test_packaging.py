@@ -62,7 +62,7 @@ def test_importing_the_package_loads_no_distributed_or_compiler_modules_of_its_o
         m for m in added if m.startswith(("torch.distributed", "torch._dynamo", "torch._inductor"))
     )
     assert not unwanted, unwanted[:10]
-    assert "fusible_ops.parallel.expert_parallel" not in with_package
+    assert "fusible_ops.moe.expert_parallel" not in with_package
     assert not any(m.startswith(("triton", "cudnn", "transformers")) for m in added)
     assert "fusible_ops.integrations.transformers" not in with_package
 
@@ -70,7 +70,7 @@ def test_importing_the_package_loads_no_distributed_or_compiler_modules_of_its_o
 def test_parallel_names_load_on_first_use():
     loaded = _loaded_after("from fusible_ops.parallel import TPLinear")
     assert "fusible_ops.parallel.tp_modules" in loaded
-    assert "fusible_ops.parallel.expert_parallel" not in loaded
+    assert "fusible_ops.moe.expert_parallel" not in loaded
     # the old module path still names the dispatch module itself (monkeypatching works)
     import fusible_ops.basic.linear_dispatch as dispatch
     import fusible_ops.parallel.tp_linear as alias

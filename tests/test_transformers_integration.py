@@ -223,8 +223,8 @@ def test_expert_parallel_sentinel_ids_are_dropped():
 
 
 def test_from_hf_and_to_hf_experts_round_trip():
+    from fusible_ops import MoE
     from fusible_ops.checkpoint import export_stacked
-    from fusible_ops.moe_layer import MoE
 
     model = _model("gpt_oss", torch.float64)
     e = _experts(model)[0]

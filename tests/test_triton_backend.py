@@ -35,7 +35,7 @@ from hypothesis import strategies as st  # noqa: E402
 from reference_ops import activation_of as ref_activation  # noqa: E402
 
 from fusible_ops.kernels.activation import ActivationSpec  # noqa: E402
-from fusible_ops.kernels.triton_backend import TritonBackend, autotune_enabled, set_autotune  # noqa: E402
+from fusible_ops.kernels.triton.backend import TritonBackend, autotune_enabled, set_autotune  # noqa: E402
 
 
 def _mode() -> str:
@@ -133,7 +133,7 @@ def test_package_status_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_autotune_switches() -> None:
-    from fusible_ops.settings import Settings, settings
+    from fusible_ops import Settings, settings
 
     assert autotune_enabled()
     set_autotune(False)

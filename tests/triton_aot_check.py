@@ -64,7 +64,7 @@ def main() -> int:
         print("unset TRITON_INTERPRET: this check compiles the kernels")
         return _API_MISMATCH
     from fusible_ops.kernels import triton_kernels as tk
-    from fusible_ops.kernels.triton_launch import _GPU_CONFIGS
+    from fusible_ops.kernels.triton.launch import _GPU_CONFIGS
 
     bf16, i32, f32 = "*bf16", "*i32", "*fp32"
     failures = 0

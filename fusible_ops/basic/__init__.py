@@ -1,4 +1,10 @@
-"""Basic operations: each owns its parameters and says what it computes and saves."""
+"""Basic operations: each owns its parameters and says what it computes and saves.
+
+One op (or one small family) per file, plus composites such as :class:`Linear` built as a
+``Sequential`` of basic ops. Ops decide what is computed and saved for backward and ask
+``kernels`` how; they import ``core``, ``fuser`` and ``kernels``, never ``fused`` or the
+layers above.
+"""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta
 from ..kernels.activation import ActivationSpec, activation_backward, activation_forward
 from ..kernels.signature_checks import signature_fixes_kernel_args
-from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
 
 
 def check_activation_input(op_name: str, spec: ActivationSpec, meta: TensorMeta) -> TensorMeta:

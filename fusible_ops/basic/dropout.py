@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..op import BasicOperation, OpBackward, OperationContext
+from ..core.op import BasicOperation, OpBackward, OperationContext
 
 
 class Dropout(BasicOperation):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..op import BasicOperation, FusedBackward, FusedForward, OpBackward, OperationContext
+from ..core.op import BasicOperation, FusedBackward, FusedForward, OpBackward, OperationContext
 
 
 class AddExtraInput(BasicOperation):

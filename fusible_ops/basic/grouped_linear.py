@@ -7,15 +7,15 @@ from typing import Any
 
 import torch
 
-from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, validate_or_alloc_rows
-from ..dtypes import cast, compute_dtype, compute_dtype_of
+from ..core.buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, validate_or_alloc_rows
+from ..core.dtypes import cast, compute_dtype, compute_dtype_of
+from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
+from ..core.settings import current_settings
+from ..core.shapes import as_rows
+from ..core.splits import SplitInfo, check_split_sizes, to_split_info
 from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.signature_checks import signature_fixes_kernel_args
-from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
-from ..settings import current_settings
-from ..shapes import as_rows
-from ..splits import SplitInfo, check_split_sizes, to_split_info
 
 
 def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_features: int) -> None:

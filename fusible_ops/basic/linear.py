@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from ..dtypes import cast, compute_dtype, compute_dtype_of
-from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
+from ..core.dtypes import cast, compute_dtype, compute_dtype_of
+from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from .grouped_linear import check_float_input
 from .linear_dispatch import tp_linear_forward
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
+from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta
 
 
 class _Norm(BasicOperation):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.op import BasicOperation, OpBackward, OperationContext
 from ..kernels.activation import row_dot
 from ..kernels.signature_checks import signature_fixes_kernel_args
-from ..op import BasicOperation, OpBackward, OperationContext
 from .scaled_activations import check_op_row_scales
 
 

@@ -11,11 +11,11 @@ import math
 
 import torch
 
+from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta
+from ..core.shapes import as_flat, as_rows
 from ..kernels.activation import ActivationSpec, scaled_activation_backward, scaled_activation_forward
 from ..kernels.grouped_checks import check_row_scales
 from ..kernels.signature_checks import signature_fixes_kernel_args
-from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
-from ..shapes import as_flat, as_rows
 from .activations import check_activation_input
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..op import BasicOperation, OpBackward, OperationContext, TensorMeta
+from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta
 
 
 class Identity(BasicOperation):

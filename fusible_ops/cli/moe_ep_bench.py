@@ -38,8 +38,8 @@ def _step_ms(
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, results: dict) -> None:
-    from fusible_ops.checkpoint import export_stacked, load_stacked
-    from fusible_ops.moe_layer import MoE
+    from fusible_ops.moe.checkpoint import export_stacked, load_stacked
+    from fusible_ops.moe.layer import MoE
 
     torch.set_num_threads(cfg["threads_per_rank"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

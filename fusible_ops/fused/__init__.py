@@ -1,4 +1,8 @@
-"""Fused operations; importing this package registers their fusion rules."""
+"""Fused operations, each with the fusion rule that builds it; importing this package registers the rules.
+
+A fused op holds the basic ops it replaces and uses their parameters. This package
+imports ``core``, ``fuser``, ``basic`` and ``kernels``; nothing below it imports it.
+"""
 
 from __future__ import annotations
 

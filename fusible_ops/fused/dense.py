@@ -13,10 +13,10 @@ import torch
 
 from ..basic.activations import Activation
 from ..basic.linear import BasicLinear, Bias, _is_dtensor, linear_forward
-from ..dtypes import cast
-from ..fusion_rules import FusionContext, register_fusion, window_rule
+from ..core.dtypes import cast
+from ..core.op import BasicOperation, FusedBackward, FusedForward, FusedOperation
+from ..fuser.rules import FusionContext, register_fusion, window_rule
 from ..kernels.activation import activation_backward, activation_forward
-from ..op import BasicOperation, FusedBackward, FusedForward, FusedOperation
 
 
 class ForwardLinearBiasActivation(FusedOperation):

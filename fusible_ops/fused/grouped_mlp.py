@@ -19,16 +19,16 @@ from ..basic.activations import Activation
 from ..basic.grouped_linear import GroupedLinear
 from ..basic.scale import Scale
 from ..basic.scaled_activations import ScaledActivation
-from ..buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows
-from ..dtypes import cast, compute_dtype_of
-from ..fusion_rules import FusionContext, register_fusion, window_rule
+from ..core.buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows
+from ..core.dtypes import cast, compute_dtype_of
+from ..core.op import BasicOperation, FusedBackward, FusedForward, FusedOperation, OperationContext
+from ..core.shapes import as_flat, as_rows
+from ..core.splits import SplitInfo, to_split_info
+from ..fuser.rules import FusionContext, register_fusion, window_rule
 from ..kernels import BackendChoice, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.activation import EXPERT_BLOCK_KINDS, ActivationSpec
 from ..kernels.signature_checks import signature_fixes_kernel_args
-from ..op import BasicOperation, FusedBackward, FusedForward, FusedOperation, OperationContext
-from ..shapes import as_flat, as_rows
-from ..splits import SplitInfo, to_split_info
 
 SUPPORTED_ACTIVATIONS = EXPERT_BLOCK_KINDS  # read from the activation table
 

@@ -24,9 +24,9 @@ from ..basic.activations import GEGLU, ClampedSwiGLU, SReLU, SwiGLU
 from ..basic.grouped_linear import GroupedLinear
 from ..basic.scale import Scale
 from ..basic.scaled_activations import ScaledClampedSwiGLU, ScaledGEGLU, ScaledSReLU, ScaledSwiGLU
-from ..checkpoint import export_stacked, load_stacked
-from ..moe import permute, unpermute
-from ..sequential import Sequential
+from ..fuser.sequential import Sequential
+from ..moe.checkpoint import export_stacked, load_stacked
+from ..moe.routing import permute, unpermute
 
 #: the transformers versions this integration is tested with (ExpertsInterface and the
 #: experts flags of ``use_experts_implementation``)

@@ -4,6 +4,12 @@ Each backend lives in its own file and is imported only when first asked for, so
 optional packages (triton, cudnn frontend) are never imported with the package.
 Selection is automatic per device and dtype, or forced with
 ``fusible_ops.settings(backend=NAME)``.
+
+Owns the backend registry and selection, the backend base class, the shared activation
+math and call checks (this package's own modules), the ``fusible_ops::`` custom-op library
+with its Inductor lowering, and one subpackage per backend family: ``cpu``, ``pytorch``
+(``torch._grouped_mm`` and a per-group loop), ``triton``, ``cudnn``. Kernels decide *how*
+the math runs; they import only ``core`` (and ``recipes``), never the ops or the fuser.
 """
 
 from __future__ import annotations
@@ -14,17 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry_versions import registries_changed
+from ..core.registry_versions import registries_changed
+from ..core.settings import set_backend_names_provider
 from .base import GroupedGemmBackend
 
 # name -> (module, class) imported on first use, or the class itself; the order within a
 # device's preference list is separate
 _BACKENDS: dict[str, tuple[str, str] | type[GroupedGemmBackend]] = {
-    "cpu": ("fusible_ops.kernels.torch_cpu", "TorchCpuBackend"),
-    "grouped_mm": ("fusible_ops.kernels.torch_grouped_mm", "TorchGroupedMMBackend"),
-    "triton": ("fusible_ops.kernels.triton_backend", "TritonBackend"),
-    "cudnn": ("fusible_ops.kernels.cudnn_fe", "CudnnFrontendBackend"),
-    "torch_loop": ("fusible_ops.kernels.torch_loop", "TorchLoopBackend"),
+    "cpu": ("fusible_ops.kernels.cpu.backend", "TorchCpuBackend"),
+    "grouped_mm": ("fusible_ops.kernels.pytorch.grouped_mm", "TorchGroupedMMBackend"),
+    "triton": ("fusible_ops.kernels.triton.backend", "TritonBackend"),
+    "cudnn": ("fusible_ops.kernels.cudnn.backend", "CudnnFrontendBackend"),
+    "torch_loop": ("fusible_ops.kernels.pytorch.loop", "TorchLoopBackend"),
 }
 
 # automatic choice, best first; "mlp" is the fused grouped MLP, "gemm" a lone GroupedLinear
@@ -42,6 +49,9 @@ _instances: dict[str, GroupedGemmBackend] = {}
 def backend_names() -> list[str]:
     """Every registered backend name (available here or not)."""
     return list(_BACKENDS)
+
+
+set_backend_names_provider(backend_names)  # fusible_ops.settings(backend=...) checks against these
 
 
 def register_backend(

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ..shapes import as_flat
+from ..core.shapes import as_flat
 from .activation import (
     ActivationSpec,
     activation_backward,

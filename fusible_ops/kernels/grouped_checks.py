@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..shapes import as_flat
+from ..core.shapes import as_flat
 from .activation import ActivationSpec
 
 

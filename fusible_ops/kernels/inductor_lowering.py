@@ -7,7 +7,7 @@ the compiled ``torch._grouped_mm`` composition. So for the ``cpu`` backend the t
 functional ops get an Inductor decomposition: the same computation written with
 ``torch._grouped_mm`` on the device offsets (no host values, nothing in place) and the
 activation's reference math, which Inductor fuses into generated loops. The offsets end
-at the row count (the ops assert it while tracing, see :func:`~fusible_ops.splits.to_split_info`).
+at the row count (the ops assert it while tracing, see :func:`~fusible_ops.core.splits.to_split_info`).
 
 Only Inductor (and ``aot_eager_decomp_partition``) use this table. ``aot_eager``,
 ``torch.export`` and dispatch modes (selective activation checkpointing) still see the
@@ -38,8 +38,8 @@ import torch
 
 from .activation import ActivationSpec, activation_backward, activation_forward, row_dot
 from .base import group_ids_from_offsets
-from .torch_cpu import _dgrad_operand
-from .torch_grouped_mm import _SUPPORTED_DTYPES, TorchGroupedMMBackend, _aligned_2d, _dense
+from .cpu.backend import _dgrad_operand
+from .pytorch.grouped_mm import _SUPPORTED_DTYPES, TorchGroupedMMBackend, _aligned_2d, _dense
 
 Tensor = torch.Tensor
 
@@ -63,13 +63,13 @@ def _lowering_fingerprint() -> str:
         "inductor_lowering.py",
         "activation.py",
         "base.py",
-        "torch_cpu.py",
-        "torch_grouped_mm.py",
+        "cpu/backend.py",
+        "pytorch/grouped_mm.py",
         "library.py",
     )
     for name in sources:
         try:
-            digest.update(Path(__file__).with_name(name).read_bytes())
+            digest.update((Path(__file__).parent / name).read_bytes())
         except OSError:  # sources not on disk (a zipped install): their names must do
             digest.update(name.encode())
     return digest.hexdigest()[:16]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..splits import SplitInfo as Splits
+from ..core.splits import SplitInfo as Splits
 from .activation import ActivationSpec, row_dot
 from .base import GroupedGemmBackend, group_ids_from_offsets
 from .grouped_checks import host_split_sizes

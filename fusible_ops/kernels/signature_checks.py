@@ -2,13 +2,13 @@
 
 The public backend methods check their arguments (:mod:`.grouped_checks`) before any
 work. A fuser call whose signature was seen before (the shapes, dtypes and devices of
-every input and parameter, see :mod:`fusible_ops.fuser_signature`), and whose first call
+every input and parameter, see :mod:`fusible_ops.fuser.signature`), and whose first call
 passed every one of those checks, hands the kernels arguments with that same metadata,
 and split sizes whose values the ops checked for this call (non-negative, one per group,
 summing to the rows). While such a call runs, :func:`arguments_checked` is True and the
 public methods skip the checks that depend only on metadata; everything else they do
 (zero-row calls, host split sizes) is unchanged. The fuser also skips its checks of the
-ops' results (:mod:`fusible_ops.op_contract`), which have the same structure and shapes.
+ops' results (:mod:`fusible_ops.core.contract`), which have the same structure and shapes.
 
 Only plans made entirely of the library's own ops take part (:func:`signature_fixes_kernel_args`,
 matched by exact type): their kernel arguments follow from the signature, and they run

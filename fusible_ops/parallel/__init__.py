@@ -1,4 +1,9 @@
-"""Parallelism: tensor-parallel linear dispatch and modules, expert parallelism.
+"""Parallelism: tensor-parallel linear dispatch and modules; expert parallelism re-exported.
+
+Owns the tensor-parallel modules (``TPLinear``, LoRA, sharding helpers). The linear
+dispatch lives with ``BasicLinear`` in ``basic``, expert parallelism with the MoE layer in
+``moe``; both are re-exported here. It may import ``core`` to ``moe``; only
+``integrations`` and ``cli`` sit above it.
 
 Names load on first use (PEP 562), so importing one of them does not import the rest:
 ``from fusible_ops.parallel import TPLinear`` leaves expert parallelism unloaded.
@@ -10,9 +15,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DispatchState": ".expert_parallel",
-    "ExpertParallel": ".expert_parallel",
-    "all_to_all_rows": ".expert_parallel",
+    "DispatchState": "..moe.expert_parallel",
+    "ExpertParallel": "..moe.expert_parallel",
+    "all_to_all_rows": "..moe.expert_parallel",
     "PATH_ASYNC_TP": "..basic.linear_dispatch",
     "PATH_BMM": "..basic.linear_dispatch",
     "PATH_LINEAR": "..basic.linear_dispatch",

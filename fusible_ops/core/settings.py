@@ -1,0 +1,115 @@
+"""Runtime settings: a context manager, never environment variables read at import.
+
+>>> import fusible_ops as fo
+>>> with fo.settings(fusion=False):
+...     pass  # everything in here runs unfused
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The active settings. Fusion plans are cached per settings value."""
+
+    #: apply fusion rules at all
+    fusion: bool = True
+    #: grouped-GEMM backend: "auto" or a name that ``python -m fusible_ops info`` lists
+    backend: str = "auto"
+    #: let the Triton backend autotune tile configurations (False: first config only)
+    triton_autotune: bool = True
+
+    @property
+    def facts(self) -> tuple[bool, str, bool]:
+        """Every setting, as a tuple (what a compiled call guards on)."""
+        return (self.fusion, self.backend, self.triton_autotune)
+
+
+#: the type each setting must have exactly
+_TYPES: dict[str, type] = {"fusion": bool, "backend": str, "triton_autotune": bool}
+
+
+class _SettingsStack(threading.local):
+    """Per thread: the settings stack, and a key of its top's :attr:`Settings.facts` (kept
+    with every push and pop, so that a compiled call guards one int, not each field)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Settings] = [Settings()]
+        self.facts_key = _facts_key(self.stack[-1])
+
+    def top_changed(self) -> None:
+        self.facts_key = _facts_key(self.stack[-1])
+
+
+_FACTS_KEYS: dict[tuple, int] = {}
+_NEXT_KEY = itertools.count()
+
+
+def _facts_key(settings: Settings) -> int:
+    """An int per distinct :attr:`Settings.facts` (equal settings, equal key; ``next`` and
+    ``setdefault`` are atomic, so two threads never give one key to different settings)."""
+    key = _FACTS_KEYS.get(settings.facts)
+    return _FACTS_KEYS.setdefault(settings.facts, next(_NEXT_KEY)) if key is None else key
+
+
+_STATE = _SettingsStack()
+
+# the kernel registry (a higher layer) installs the function that lists its backends
+_backend_names: Callable[[], list[str]] = list
+
+
+def set_backend_names_provider(provider: Callable[[], list[str]]) -> None:
+    """Install the function that lists the registered backend names (the kernel registry's)."""
+    global _backend_names
+    _backend_names = provider
+
+
+def current_settings() -> Settings:
+    """The settings in force on this thread."""
+    return _STATE.stack[-1]
+
+
+#: this thread's settings stack; ``THREAD_SETTINGS.facts_key`` stands for the settings in force
+THREAD_SETTINGS = _STATE
+
+
+@contextlib.contextmanager
+def settings(**changes: object) -> Iterator[Settings]:
+    """Override settings inside a ``with`` block (thread-local, nestable).
+
+    Unknown names and values of the wrong type (``fusion="false"``, ``fusion=0``,
+    ``fusion=None``) raise ``TypeError``; ``backend`` is checked against the registry.
+    """
+    known = {f.name for f in dataclasses.fields(Settings)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(f"fusible_ops.settings got unknown setting(s) {unknown}; known: {sorted(known)}")
+    for name, value in changes.items():
+        expected = _TYPES[name]
+        if type(value) is not expected:  # bool is an int subclass, and 0/1 are not bools here
+            raise TypeError(
+                f"fusible_ops.settings: {name} must be a {expected.__name__}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+    if "backend" in changes:
+        names = _backend_names()
+        if changes["backend"] != "auto" and changes["backend"] not in names:
+            raise ValueError(
+                f"fusible_ops.settings: unknown backend {changes['backend']!r}; "
+                f"choose 'auto' or one of {names} (see `python -m fusible_ops info`)"
+            )
+    new = dataclasses.replace(current_settings(), **changes)
+    _STATE.stack.append(new)
+    _STATE.top_changed()
+    try:
+        yield new
+    finally:
+        _STATE.stack.pop()
+        _STATE.top_changed()

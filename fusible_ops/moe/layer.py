@@ -1,0 +1,468 @@
+"""The ``MoE`` layer: router, routing, the fused expert block, shared experts, load balancing,
+and optional expert parallelism."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..basic.activations import GEGLU, ClampedSwiGLU, SReLU, SwiGLU
+from ..basic.grouped_linear import GroupedLinear
+from ..basic.linear import BasicLinear
+from ..basic.scale import Scale
+from ..basic.scaled_activations import ScaledClampedSwiGLU, ScaledGEGLU, ScaledSReLU, ScaledSwiGLU
+from ..core.dtypes import compute_dtype
+from ..fuser.sequential import Sequential
+from ..kernels.activation import ACTIVATIONS, EXPERT_BLOCK_KINDS
+from . import balance
+from .router import RoutingConfig, route
+from .routing import ExpertPlacement, permute, unpermute
+
+
+class MoEActivation(NamedTuple):
+    """The op classes of one activation kind of the expert block."""
+
+    scaled: type  # the routing weight applied with the activation (before fc2)
+    unscaled: type  # for ``scale_after_fc2`` and the shared experts
+    fc1_factor: int  # fc1 outputs per ffn unit: 2 for gated kinds
+
+
+#: activation name -> its op classes, for every kind of the fused expert block in the
+#: activation table
+MOE_ACTIVATIONS = {
+    scaled.kind: MoEActivation(scaled, unscaled, 2 if ACTIVATIONS[scaled.kind].gated else 1)
+    for scaled, unscaled in (
+        (ScaledSwiGLU, SwiGLU),
+        (ScaledGEGLU, GEGLU),
+        (ScaledClampedSwiGLU, ClampedSwiGLU),
+        (ScaledSReLU, SReLU),
+    )
+    if scaled.kind in EXPERT_BLOCK_KINDS
+}
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts MLP: a drop-in replacement for a transformer MLP.
+
+    Per token ``x``, with routing weights ``p_e`` of the top-k experts (docs/moe.md)::
+
+        y = sum_e (p_e * act(x @ W1_e.T + b1_e)) @ W2_e.T + b2_e            (default)
+        y = sum_e p_e * (act(x @ W1_e.T + b1_e) @ W2_e.T + b2_e)            (scale_after_fc2)
+        y += shared(x) [* sigmoid(x @ w_gate)]                    (shared_ffn_hidden_size > 0)
+
+    Submodules: ``router`` (``nn.Linear(hidden, num_experts)``), ``experts``, a
+    ``fusible_ops.Sequential`` of ``GroupedLinear`` (weight ``[local_experts, fc1_out,
+    hidden]``, gate half first for gated activations unless ``glu_interleave_size`` says
+    otherwise), the activation, ``GroupedLinear`` (``[local_experts, hidden, ffn]``) and,
+    with ``scale_after_fc2``, ``Scale``; optionally ``shared_experts`` and
+    ``shared_expert_gate``.
+
+    With ``ep_group`` (a ``torch.distributed`` group of ``W`` ranks) or ``ep_mesh`` (a 1-D
+    ``DeviceMesh``, e.g. ``world_mesh["ep"]``) rank ``r`` holds experts ``[r*L, (r+1)*L)``,
+    ``L = num_experts / W``; tokens travel by all-to-all. With ``ep_mesh`` the expert
+    weights and biases are DTensors ``Shard(0)`` of global shape ``[num_experts, ...]``
+    (the kernels compute on the local shards), so ``state_dict``, optimizers and
+    ``torch.distributed.checkpoint`` see every expert once.
+    The router and shared experts are replicated: reduce their gradients like any
+    data-parallel parameter.
+
+    In training, ``aux_losses`` holds the last forward's unscaled balancing losses;
+    ``last_expert_load`` holds the last forward's routed rows per expert (dropped ones
+    included) and, with ``capacity_factor``, ``last_dropped_load`` the dropped ones. Input ``[..., hidden]``; output the same
+    shape and dtype.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        activation: str = "swiglu",
+        activation_kwargs: dict | None = None,
+        bias: bool = False,
+        score: str = "softmax",
+        renormalize: bool = True,
+        scale_after_fc2: bool = False,
+        router_bias: bool = False,
+        expert_groups: int | None = None,
+        topk_groups: int | None = None,
+        score_correction_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
+        shared_ffn_hidden_size: int = 0,
+        shared_expert_gate: bool = False,
+        router_jitter: float = 0.0,
+        load_balancing: str = "none",
+        aux_loss_coeff: float = 1e-2,
+        z_loss_coeff: float = 0.0,
+        bias_update_rate: float = 1e-3,
+        aux_loss_in_backward: bool = True,
+        balance_group: object | None = None,
+        capacity_factor: float | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        ep_group: object | None = None,
+        ep_mesh: object | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"MoE: {name} must be a positive int, got {value!r}")
+        if not _is_int(num_experts) or num_experts < 1:
+            raise ValueError(f"MoE: num_experts must be a positive int, got {num_experts!r}")
+        if not _is_int(top_k) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+        if activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"MoE: activation must be one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
+        self.routing = RoutingConfig(
+            num_experts, top_k, score, renormalize, expert_groups, topk_groups, routed_scaling_factor
+        )
+        _check_balancing(load_balancing, aux_loss_coeff, z_loss_coeff, bias_update_rate)
+        _check_options(shared_ffn_hidden_size, shared_expert_gate, router_jitter, capacity_factor)
+
+        if ep_mesh is not None:
+            if ep_group is not None:
+                raise ValueError("MoE: give ep_group or ep_mesh, not both")
+            ep_group = _ep_group_of(ep_mesh, num_experts, device)
+        self.ep_mesh = ep_mesh
+        self.expert_parallel = None
+        num_local_experts = num_experts
+        if ep_group is not None:
+            from .expert_parallel import ExpertParallel
+
+            self.expert_parallel = ExpertParallel(num_experts, ep_group)
+            num_local_experts = self.expert_parallel.num_local_experts
+
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.num_experts = num_experts
+        self.num_local_experts = num_local_experts
+        self.top_k = top_k
+        self.activation = activation
+        self.activation_kwargs = dict(activation_kwargs or {})
+        self.scale_after_fc2 = scale_after_fc2
+        self.router_jitter = float(router_jitter)
+        self.load_balancing = load_balancing
+        self.aux_loss_coeff = float(aux_loss_coeff)
+        self.z_loss_coeff = float(z_loss_coeff)
+        self.bias_update_rate = float(bias_update_rate)
+        self.aux_loss_in_backward = aux_loss_in_backward
+        self.balance_group = _as_group(balance_group)
+        self.capacity_factor = capacity_factor
+        self.aux_losses: dict[str, torch.Tensor] = {}
+        self.last_expert_load: torch.Tensor | None = None
+        self.last_dropped_load: torch.Tensor | None = None
+
+        kinds = MOE_ACTIVATIONS[activation]
+        factory = {"dtype": dtype, "device": device}
+        self.router = nn.Linear(hidden_size, num_experts, bias=router_bias, **factory)
+        act_class = kinds.unscaled if scale_after_fc2 else kinds.scaled
+        fc1_out = kinds.fc1_factor * ffn_hidden_size
+        self.experts = Sequential(
+            GroupedLinear(num_local_experts, hidden_size, fc1_out, bias=bias, **factory),
+            _make_activation(act_class, self.activation_kwargs),
+            GroupedLinear(num_local_experts, ffn_hidden_size, hidden_size, bias=bias, **factory),
+            *([Scale()] if scale_after_fc2 else []),
+        )
+        # so that checkpoint helpers given only the experts Sequential map the right experts
+        self.experts.expert_placement = ExpertPlacement(
+            self.ep_rank * num_local_experts, num_local_experts, num_experts
+        )
+        if ep_mesh is not None:
+            _shard_experts(self.experts, ep_mesh)
+        if score_correction_bias or load_balancing == "aux_free":
+            self.register_buffer("score_correction_bias", torch.zeros(num_experts, device=device))
+            # counted over forwards in training, consumed by update_score_correction_bias()
+            self.register_buffer(
+                "expert_load_since_update", torch.zeros(num_experts, dtype=torch.long, device=device),
+                persistent=False,
+            )  # fmt: skip
+        else:
+            self.score_correction_bias = None
+        self.shared_experts = self.shared_expert_gate = None
+        if shared_ffn_hidden_size:
+            s = shared_ffn_hidden_size
+            self.shared_experts = Sequential(
+                BasicLinear(hidden_size, kinds.fc1_factor * s, **factory),
+                _make_activation(kinds.unscaled, self.activation_kwargs),
+                BasicLinear(s, hidden_size, **factory),
+            )
+            if shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
+        # moe.to(torch.bfloat16) moves the correction bias but keeps it float32: a dtype cast
+        # would round away the small steps of update_score_correction_bias
+        bias = self._buffers.get("score_correction_bias")
+        super()._apply(fn, recurse)
+        moved = self._buffers.get("score_correction_bias")
+        if bias is not None and moved.dtype != bias.dtype:
+            self._buffers["score_correction_bias"] = bias.to(moved.device)
+        return self
+
+    @property
+    def ep_rank(self) -> int:
+        return 0 if self.expert_parallel is None else self.expert_parallel.rank
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.expert_parallel is None else self.expert_parallel.world_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., hidden]`` -> ``[..., hidden]``."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"MoE: input must be [..., {self.hidden_size}], got {shape}")
+        weight = self.router.weight
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(
+                f"MoE: input dtype {x.dtype} does not match the parameters' dtype {weight.dtype}; "
+                "convert one of them (e.g. moe.to(dtype)) or run under torch.autocast"
+            )
+        tokens = x.reshape(-1, self.hidden_size)
+        router_input = tokens
+        if self.training and self.router_jitter > 0:
+            noise = torch.empty_like(tokens).uniform_(1.0 - self.router_jitter, 1.0 + self.router_jitter)
+            router_input = tokens * noise
+        logits = self.router(router_input)
+        routing = route(logits, self.routing, self.score_correction_bias)
+        expert_ids = routing.expert_ids
+        load = balance.expert_load(expert_ids, self.num_experts)
+        self.last_expert_load = load.detach()
+        dropped = None
+        if self.capacity_factor is not None:
+            dropped = balance.capacity_dropped(expert_ids, self.num_experts, self.capacity_factor)
+            self.last_dropped_load = balance.expert_load(
+                torch.where(dropped, expert_ids, self.num_experts), self.num_experts
+            )
+
+        weights = routing.weights
+        if self.training:
+            weights = self._balance(weights, logits, routing, load, x.shape)
+        out = self._routed_experts(tokens, expert_ids, weights, dropped)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(tokens)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
+            out = out + shared
+        return out.reshape(x.shape)
+
+    def _routed_experts(
+        self,
+        tokens: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        dropped: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``[T, H]``: the routed experts' outputs summed per token (dropped rows add nothing)."""
+        if self.expert_parallel is None:
+            perm = permute(tokens, expert_ids, self.num_experts, weights, dropped=dropped)
+            y = self.experts(*self._expert_args(perm.rows, perm.split_sizes, perm.probs))
+            return unpermute(y, perm.token_index, tokens.shape[0])
+        from ..core.buffers import OUTPUT_BUFFER_KEY
+
+        ep = self.expert_parallel
+        rows, row_probs, state = ep.dispatch(tokens, expert_ids, weights, dropped=dropped)
+        splits = state.local_split_sizes
+        op_kwargs = None
+        if not self.scale_after_fc2:
+            # fc2 writes straight into what the return all-to-all sends (in its compute dtype)
+            send_back = ep.output_buffer(
+                state, self.hidden_size, compute_dtype(rows.dtype, rows.device), rows.device
+            )
+            op_kwargs = {2: {OUTPUT_BUFFER_KEY: send_back}}
+        y = self.experts(*self._expert_args(rows, splits, row_probs), op_kwargs=op_kwargs)
+        return ep.combine(y, state)
+
+    def _expert_args(self, rows: torch.Tensor, splits: object, probs: torch.Tensor) -> tuple:
+        if self.scale_after_fc2:  # GroupedLinear, act, GroupedLinear, Scale
+            return rows, splits, splits, probs
+        return rows, splits, probs, splits  # GroupedLinear, scaled act, GroupedLinear
+
+    def _balance(
+        self, weights: torch.Tensor, logits, routing, load: torch.Tensor, input_shape
+    ) -> torch.Tensor:
+        """Record the balancing statistics and losses; attach the scaled losses to the backward
+        of the routing ``weights`` (Megatron's place: the layer's output stays an ordinary
+        tensor that may be modified in place)."""
+        group, mode = self.balance_group, self.load_balancing
+        losses, scaled = {}, []
+        if mode == "aux_loss":
+            losses["load_balancing"] = balance.aux_loss(routing.normalized_scores, load, self.top_k, group)
+        elif mode == "seq_aux_loss":
+            batch, seq = _sequences(input_shape)
+            losses["load_balancing"] = balance.seq_aux_loss(
+                routing.normalized_scores.reshape(batch, seq, self.num_experts),
+                routing.expert_ids.reshape(batch, seq, self.top_k),
+                self.top_k,
+                group,
+            )
+        elif mode == "aux_free":
+            self.expert_load_since_update += load
+        if "load_balancing" in losses:
+            scaled.append(self.aux_loss_coeff * losses["load_balancing"])
+        if self.z_loss_coeff > 0:
+            losses["z_loss"] = balance.z_loss(logits, group)
+            scaled.append(self.z_loss_coeff * losses["z_loss"])
+        self.aux_losses = {name: value.detach() for name, value in losses.items()}
+        if self.aux_loss_in_backward and scaled and torch.is_grad_enabled():
+            total = sum(scaled[1:], scaled[0])
+            if total.requires_grad:
+                weights = balance.AttachLoss.apply(weights, total)
+        return weights
+
+    @torch.no_grad()
+    def scale_expert_gradients(self, factor: float | None = None) -> None:
+        """Multiply the routed experts' gradients by ``factor`` (default ``1 / ep_size``).
+
+        The gradient scaling rule of expert parallelism under data parallelism: an
+        expert's gradient already sums the contributions of its EP group's tokens (the
+        all-to-all brings them), so averaging it over the data-parallel ranks alone (what
+        ``fully_shard`` over the dp mesh does) leaves it ``ep_size`` times the average
+        over all ``dp * ep`` ranks that the replicated parameters get. Call after
+        backward, before the optimizer step (on NCCL, ``set_gradient_divide_factor(dp *
+        ep)`` on the experts' FSDP module does the same inside the reduce-scatter; gloo
+        has no PREMUL_SUM).
+        """
+        factor = 1.0 / self.ep_size if factor is None else factor
+        for p in self.experts.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    @torch.no_grad()
+    def update_score_correction_bias(self) -> None:
+        """Auxiliary-loss-free balancing step (DeepSeek-V3); call after ``optimizer.step()``.
+
+        Moves each expert's ``score_correction_bias`` by ``bias_update_rate * sign(mean
+        load - load_e)`` over the tokens counted since the last call (summed over
+        ``balance_group``), then resets the counts. E.g.
+        ``optimizer.register_step_post_hook(lambda *_: moe.update_score_correction_bias())``.
+        """
+        if self.load_balancing != "aux_free":
+            raise RuntimeError(
+                f"MoE.update_score_correction_bias: load_balancing is {self.load_balancing!r}, not 'aux_free'"
+            )
+        load = balance.global_sum(self.expert_load_since_update.clone(), self.balance_group)
+        self.score_correction_bias += balance.correction_bias_step(load, self.bias_update_rate).to(
+            self.score_correction_bias.dtype
+        )
+        self.expert_load_since_update.zero_()
+
+    def extra_repr(self) -> str:
+        parts = [
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation!r}, "
+            f"score={self.routing.score!r}, renormalize={self.routing.renormalize}, ep_size={self.ep_size}"
+        ]
+        if self.routing.expert_groups is not None:
+            parts.append(
+                f"expert_groups={self.routing.expert_groups}, topk_groups={self.routing.topk_groups}"
+            )
+        if self.routing.routed_scaling_factor != 1.0:
+            parts.append(f"routed_scaling_factor={self.routing.routed_scaling_factor}")
+        if self.scale_after_fc2:
+            parts.append("scale_after_fc2=True")
+        if self.load_balancing != "none":
+            parts.append(f"load_balancing={self.load_balancing!r}")
+        if self.capacity_factor is not None:
+            parts.append(f"capacity_factor={self.capacity_factor}")
+        return ", ".join(parts)
+
+    # the routing options, readable as before
+    @property
+    def score(self) -> str:
+        return self.routing.score
+
+    @property
+    def renormalize(self) -> bool:
+        return self.routing.renormalize
+
+
+def _ep_group_of(mesh: object, num_experts: int, device: torch.device | str | None) -> object:
+    """The process group of a 1-D expert-parallel ``DeviceMesh``, after checking it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"MoE: ep_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"MoE: ep_mesh must be 1-D (a named dimension such as world_mesh['ep']), got {mesh.ndim}-D "
+            f"with dims {mesh.mesh_dim_names}"
+        )
+    if num_experts % mesh.size():
+        raise ValueError(f"MoE: num_experts={num_experts} is not divisible by the ep_mesh size {mesh.size()}")
+    wanted = torch.device(device).type if device is not None else torch.get_default_device().type
+    if mesh.device_type != wanted:
+        raise ValueError(
+            f"MoE: ep_mesh is a {mesh.device_type!r} mesh but the parameters are made on {wanted!r}; "
+            "use a mesh of the parameters' device type"
+        )
+    return mesh.get_group()
+
+
+def _shard_experts(experts: Sequential, mesh: object) -> None:
+    """Make every expert parameter a DTensor ``Shard(0)`` of global shape ``[num_experts, ...]``
+    from this rank's local experts (no communication)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for op in experts:
+        if not isinstance(op, GroupedLinear):
+            continue
+        for name in ("weight", "bias"):
+            local = getattr(op, name)
+            if local is not None:
+                sharded = DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False)
+                setattr(op, name, nn.Parameter(sharded, requires_grad=local.requires_grad))
+
+
+def _make_activation(cls: type, kwargs: dict) -> nn.Module:
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"MoE: activation_kwargs {kwargs} do not fit {cls.__name__}: {err}") from None
+
+
+def _sequences(input_shape: torch.Size) -> tuple[int, int]:
+    """``(sequences, tokens per sequence)`` of an input ``[..., S, H]`` (a 2-D input is one sequence)."""
+    if len(input_shape) < 3:
+        return 1, int(torch.Size(input_shape[:-1]).numel())
+    return int(torch.Size(input_shape[:-2]).numel()), input_shape[-2]
+
+
+def _check_balancing(mode: str, aux_coeff: float, z_coeff: float, rate: float) -> None:
+    if mode not in balance.LOAD_BALANCING:
+        raise ValueError(f"MoE: load_balancing must be one of {balance.LOAD_BALANCING}, got {mode!r}")
+    for name, value in (("aux_loss_coeff", aux_coeff), ("z_loss_coeff", z_coeff), ("bias_update_rate", rate)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"MoE: {name} must be a number >= 0, got {value!r}")
+
+
+def _check_options(shared_size: int, shared_gate: bool, jitter: float, capacity: float | None) -> None:
+    if not _is_int(shared_size) or shared_size < 0:
+        raise ValueError(f"MoE: shared_ffn_hidden_size must be an int >= 0, got {shared_size!r}")
+    if shared_gate and not shared_size:
+        raise ValueError("MoE: shared_expert_gate needs shared experts (shared_ffn_hidden_size > 0)")
+    if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0 <= jitter < 1:
+        raise ValueError(f"MoE: router_jitter must be a number in [0, 1), got {jitter!r}")
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or not capacity > 0
+    ):
+        raise ValueError(f"MoE: capacity_factor must be a positive number or None, got {capacity!r}")
+
+
+def _as_group(group: object | None) -> object | None:
+    """A process group from a group or a 1-D ``DeviceMesh``."""
+    if group is None or not hasattr(group, "get_group"):
+        return group
+    if group.ndim != 1:
+        raise ValueError(
+            f"MoE: balance_group must be a process group or a 1-D DeviceMesh, got {group.ndim}-D"
+        )
+    return group.get_group()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
