@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from mxfp8_reference import logical_scale_view, mx_scale_shape, mxfp8_dequantize, unpack_scales
 from reference_ops import activation_of, grouped_fprop, offsets_of
 
-from fusible_ops.kernels import cudnn_fe_adapter as adapter
-from fusible_ops.kernels import cudnn_fe_probe as probe_mod
 from fusible_ops.kernels.activation import ActivationSpec, split_gate_linear
+from fusible_ops.kernels.cudnn import adapter
+from fusible_ops.kernels.cudnn import probe as probe_mod
 from fusible_ops.kernels.cudnn.backend import CudnnFrontendBackend
 
 # ---------------------------------------------------------------- the fake frontend
@@ -517,7 +517,7 @@ def test_hopper_binds_caller_buffer_as_graph_output(fake, monkeypatch):
     module.pygraph = type("pygraph", (), {"moe_grouped_matmul": lambda self: None})
     module.create_handle = lambda: "handle"
     log: list = []
-    from fusible_ops.kernels import cudnn_fe
+    from fusible_ops.kernels.cudnn import backend as cudnn_fe
 
     monkeypatch.setattr(cudnn_fe, "_build_hopper_graph", lambda *a: FakeGraph(log))
     backend = CudnnFrontendBackend()

@@ -490,7 +490,7 @@ def test_no_host_sync_and_cuda_graph(backend: TritonBackend) -> None:
 
 @needs_cuda
 def test_autotune_cached_per_shape(backend: TritonBackend) -> None:
-    from fusible_ops.kernels import triton_launch
+    from fusible_ops.kernels.triton import launch as triton_launch
 
     dtype = torch.bfloat16
     w = rand(2, 256, 128, dtype=dtype)

@@ -63,7 +63,7 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: this check compiles the kernels")
         return _API_MISMATCH
-    from fusible_ops.kernels import triton_kernels as tk
+    from fusible_ops.kernels.triton import kernels as tk
     from fusible_ops.kernels.triton.launch import _GPU_CONFIGS
 
     bf16, i32, f32 = "*bf16", "*i32", "*fp32"
