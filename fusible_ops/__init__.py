@@ -1,65 +1,64 @@
-# ruff: noqa: F401  (re-exports: __all__ extends the basic ops' own __all__)
 """fusible-ops: composable basic operations and an operation fuser for PyTorch.
 
 >>> import fusible_ops as fo
 >>> experts = fo.Sequential(fo.GroupedLinear(4, 64, 128), fo.ScaledSwiGLU(), fo.GroupedLinear(4, 64, 64))
+
+Public names load on first use (PEP 562): ``import fusible_ops`` alone imports neither
+torch nor any op, so ``python -m fusible_ops --help`` answers at once. The built-in
+fusion rules register when the first fuser is built (``fusion_rules.load_builtin_rules``),
+whichever module it was reached through.
 """
 
 from __future__ import annotations
 
-from . import basic as _basic
-from . import fused as _fused  # noqa: F401  (registers the built-in fusion rules)
-from .basic import (
-    GEGLU,
-    GELU,
-    AddExtraInput,
-    BasicLinear,
-    Bias,
-    ClampedSwiGLU,
-    ConstantScale,
-    Dropout,
-    GroupedLinear,
-    Identity,
-    LayerNorm,
-    MakeExtraOutput,
-    ReGLU,
-    ReLU,
-    Reshape,
-    RMSNorm,
-    Scale,
-    ScaledClampedSwiGLU,
-    ScaledGEGLU,
-    ScaledSReLU,
-    ScaledSwiGLU,
-    SiLU,
-    SReLU,
-    SwiGLU,
-)
-from .basic.composites import Linear
-from .core.buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, validate_or_alloc_output
-from .core.op import (
-    BasicOperation,
-    FusedBackward,
-    FusedForward,
-    FusedOperation,
-    FusibleOperation,
-    OpBackward,
-    OperationContext,
-)
+import importlib
+import importlib.util
+from typing import Any
+
+# torch-free, and bound here: the function ``settings`` must shadow the submodule of that
+# name, whichever module imports the submodule first
 from .core.settings import Settings, current_settings, settings
-from .fused import GroupedMLP
-from .fuser.operation_fuser import OperationFuser
-from .fuser.plan import FusionDecision, FusionPlan, SequentialPlan
-from .fuser.rules import FusionContext, register_fusion, unregister_fusion, window_rule
-from .fuser.sequential import Sequential
-from .kernels import BackendUnavailableError
-from .moe.layer import MoE
 
 __version__ = "0.1.0"
 
+_BASIC_OPS = (
+    "GEGLU", "GELU", "AddExtraInput", "BasicLinear", "Bias", "ClampedSwiGLU", "ConstantScale",
+    "Dropout", "GroupedLinear", "Identity", "LayerNorm", "MakeExtraOutput", "RMSNorm", "ReGLU",
+    "ReLU", "Reshape", "SReLU", "Scale", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledSReLU",
+    "ScaledSwiGLU", "SiLU", "SwiGLU",
+)  # fmt: skip
+
+#: public name -> the module that defines it (relative to this package)
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(_BASIC_OPS, ".basic"),
+    "GRAD_INPUT_BUFFER_KEY": ".buffers",
+    "OUTPUT_BUFFER_KEY": ".buffers",
+    "validate_or_alloc_output": ".buffers",
+    "BackendUnavailableError": ".kernels",
+    "BasicOperation": ".op",
+    "FusedBackward": ".op",
+    "FusedForward": ".op",
+    "FusedOperation": ".op",
+    "FusibleOperation": ".op",
+    "OpBackward": ".op",
+    "OperationContext": ".op",
+    "FusionContext": ".fusion_rules",
+    "register_fusion": ".fusion_rules",
+    "unregister_fusion": ".fusion_rules",
+    "window_rule": ".fusion_rules",
+    "FusionDecision": ".plan",
+    "FusionPlan": ".plan",
+    "SequentialPlan": ".plan",
+    "GroupedMLP": ".fused",
+    "Linear": ".composites",
+    "MoE": ".moe_layer",
+    "OperationFuser": ".fuser",
+    "Sequential": ".sequential",
+}
+
 #: the basic ops (``fusible_ops.basic``) minus their abstract bases, then the rest
 __all__ = [
-    *(name for name in _basic.__all__ if name not in ("Activation", "ScaledActivation")),
+    *_BASIC_OPS,
     "GRAD_INPUT_BUFFER_KEY",
     "OUTPUT_BUFFER_KEY",
     "BackendUnavailableError",
@@ -87,3 +86,20 @@ __all__ = [
     "validate_or_alloc_output",
     "window_rule",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is not None:
+        importlib.import_module(".fused", __name__)  # registers the built-in fusion rules
+        value = getattr(importlib.import_module(module, __name__), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)  # a subpackage, as after `import` of it
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,11 +1,27 @@
-"""Command line: python -m fusible_ops {demo,bench,info}."""
+"""Command line: python -m fusible_ops {demo,bench,info}.
+
+Parsing imports nothing heavy (``--help`` answers without torch); a command's module,
+and torch with it, loads once its arguments parsed.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
-from .cli.args import BENCH_DTYPES, UsageError, positive_int
+from .cli.options import (
+    BENCH_DTYPES,
+    DEFAULT_REPEATS,
+    DEFAULT_SHAPE,
+    DEMO_DESCRIPTION,
+    HF_FAMILIES,
+    HF_REPEATS,
+    SMALL_REPEATS,
+    SMALL_SHAPE,
+    UsageError,
+    positive_int,
+)
 
 DESCRIPTION = """\
 fusible-ops command line:
@@ -38,25 +54,28 @@ Progress lines go to stderr; the plan, the tables and "wrote FILE" go to stdout.
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` flags (checked by ``cli.args.check_bench_args``); every help line states the default."""
-    from .cli.bench import DEFAULT_SHAPE, SMALL_SHAPE
+    """The ``bench`` flags (checked by ``cli.args.check_bench_args``); every help line states the default.
 
+    Flags whose default is None are told apart from the default value, so that ``--hf``
+    can refuse the ones it does not read.
+    """
     d, s = DEFAULT_SHAPE, SMALL_SHAPE
     parser.add_argument(
         "--small",
         action="store_true",
         help=f"the small shape: {s.experts} experts, hidden {s.hidden}, ffn {s.ffn}, {s.rows} rows, "
-        "50 rounds, compiled variants on (default: off, the full shape)",
+        f"{SMALL_REPEATS} rounds, compiled variants on (default: off, the full shape)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument(
-        "--dtype", default="bfloat16", choices=BENCH_DTYPES, help="dtype of weights and tokens"
+        "--dtype",
+        choices=BENCH_DTYPES,
+        help="dtype of weights and tokens (default: bfloat16; with --hf: bfloat16 and float32)",
     )
     parser.add_argument(
         "--backend",
-        default="auto",
         help="kernel backend to force, or auto to pick per device and dtype; "
-        "python -m fusible_ops info lists the names",
+        "python -m fusible_ops info lists the names (default: auto)",
     )
     for name, help_text in (
         ("experts", "number of experts"),
@@ -74,7 +93,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=positive_int,
         metavar="N",
-        help="timed rounds; tiny calls on a shared machine need many (default: 10, or 300 with --small)",
+        help="timed rounds; tiny calls on a shared machine need many "
+        f"(default: {DEFAULT_REPEATS}, or {SMALL_REPEATS} with --small, {HF_REPEATS} with --hf)",
     )
     parser.add_argument(
         "--compile",
@@ -86,9 +106,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="print a line per stage, variant and round to stderr (default: on, off with --small)",
+        help="print a line per stage, and per variant of every round (of at most 10 rounds "
+        "spread over the run) to stderr (default: on)",
     )
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE (default: none)")
+    parser.add_argument(
+        "--json", metavar="FILE", help="write the results as JSON to FILE, also with --hf (default: none)"
+    )
     parser.add_argument(
         "--plot", metavar="FILE", help="write a bar chart PNG to FILE, needs matplotlib (default: none)"
     )
@@ -100,11 +123,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hf",
         metavar="FAMILY",
-        choices=("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss"),
-        help="instead: one Hugging Face MoE experts module of FAMILY (mixtral, qwen3_moe, qwen2_moe, "
-        "olmoe, deepseek_v3, gpt_oss), transformers' eager and grouped_mm vs fusible_ops, bf16 and "
-        "fp32, CPU, 2048 tokens, hidden 1024, 32 experts, ffn 512, top-4; reads --repeats "
-        "(default 3 here) and --progress; needs transformers (default: none)",
+        choices=HF_FAMILIES,
+        help=f"instead: one Hugging Face MoE experts module of FAMILY ({', '.join(HF_FAMILIES)}), "
+        "transformers' eager and grouped_mm vs fusible_ops, on the CPU, 2048 tokens, hidden 1024, "
+        "32 experts, ffn 512, top-4; reads --dtype, --repeats, --progress and --json and refuses "
+        "the other flags; needs transformers (default: none)",
     )
 
 
@@ -126,22 +149,29 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one ``PROG: error: MESSAGE`` line and exit status 2."""
+    """An argparse parser whose errors are one ``PROG: error: MESSAGE`` line and exit status 2.
+
+    A flag is never matched by a prefix of its name (``allow_abbrev=False``).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import demo as demo_cli
-
+    """The parser of ``python -m fusible_ops``; ``parser.commands`` maps a command to its sub-parser."""
     parser = _Parser(prog="python -m fusible_ops", description=DESCRIPTION, formatter_class=_HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{demo,bench,info}", parser_class=_Parser
+    )
 
     demo = sub.add_parser(
         "demo",
         help="MoE expert block on synthetic tokens: check, plan, train, timings",
-        description=demo_cli.DESCRIPTION,
+        description=DEMO_DESCRIPTION,
         formatter_class=_HelpFormatter,
     )
     demo.add_argument(
@@ -161,18 +191,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(bench)
 
-    sub.add_parser(
+    info = sub.add_parser(
         "info",
         help="versions, devices and kernel backends",
         description="Versions, devices, and every kernel backend: available or not, and why.",
         formatter_class=_HelpFormatter,
     )
+    parser.commands = {"demo": demo, "bench": bench, "info": info}
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named with the command they were given to, whose --help lists its flags
+        parser.commands[args.command].error(
+            f"unrecognized argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)} "
+            f"(python -m fusible_ops {args.command} --help lists its flags)"
+        )
+    # torch warns at import when numpy is absent; nothing here uses numpy
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     if args.command == "demo":
         from .cli.demo import main as run
     elif args.command == "bench":

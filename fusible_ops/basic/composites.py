@@ -25,8 +25,10 @@ class Linear(Sequential):
 
     @property
     def weight(self) -> torch.nn.Parameter:
+        """The weight, ``[out_features, in_features]`` (the ``BasicLinear``'s)."""
         return self[0].weight
 
     @property
     def bias(self) -> torch.nn.Parameter | None:
+        """The bias, ``[out_features]``, or None when built with ``bias=False``."""
         return self[1].bias if len(self) > 1 else None

@@ -60,17 +60,21 @@ class GroupedLinear(BasicOperation):
 
     Args:
         num_groups: number of groups (experts) ``G``.
-        in_features / out_features: ``K`` / ``N``.
+        in_features: ``K``, the size of each input row.
+        out_features: ``N``, the size of each output row.
         bias: add a per-group bias ``[G, N]``.
         weight_layout: ``"out_in"``: ``weight`` is ``[G, N, K]`` (``[experts, out, in]``,
             as ``nn.Linear`` and most checkpoints); ``"in_out"``: ``[G, K, N]`` (as GPT-OSS
             and torchtitan store it; ``y = x @ weight[g]``). The kernels read either
             layout in place; :meth:`weight_out_in` is the ``[G, N, K]`` view.
 
-    Shapes: input ``[..., K]`` (leading dims are token rows, sorted by group), extra
-    input ``split_sizes`` (``[G]`` int tensor on any device, or a list of ints),
-    output ``[..., N]``. Kwargs: ``output`` (buffer for the result) and
-    ``grad_input`` (buffer for the input gradient).
+    Shape:
+        - input: ``[..., K]``, the leading dims are token rows, sorted by group.
+        - extra input ``split_sizes``: ``[G]`` int tensor on any device, or a list of ints.
+        - output: ``[..., N]``.
+
+    ``op_kwargs``: ``output`` (buffer for the result, ``[>= rows, N]``) and ``grad_input``
+    (buffer for the input gradient, ``[>= rows, K]``).
     """
 
     num_extra_inputs = 1

@@ -35,6 +35,7 @@ class BasicLinear(BasicOperation):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Re-initialize the parameters as at construction."""
         torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def extra_repr(self) -> str:
@@ -116,6 +117,7 @@ class Bias(BasicOperation):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Re-initialize the parameters as at construction."""
         torch.nn.init.zeros_(self.bias)
 
     def extra_repr(self) -> str:

@@ -62,6 +62,7 @@ class RMSNorm(_Norm):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Re-initialize the parameters as at construction."""
         torch.nn.init.ones_(self.weight)
 
     def _norm(self, x, params):
@@ -79,6 +80,7 @@ class LayerNorm(_Norm):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Re-initialize the parameters as at construction."""
         torch.nn.init.ones_(self.weight)
         torch.nn.init.zeros_(self.bias)
 

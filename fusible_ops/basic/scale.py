@@ -31,8 +31,11 @@ class ConstantScale(BasicOperation):
 class Scale(BasicOperation):
     """``y = x * scales[:, None]`` with ``scales`` (one value per token row) as extra input.
 
-    Shapes: input ``[..., n]``, scales with ``prod(input.shape[:-1])`` values (any
-    floating dtype), output like the input. Returns the gradient for ``scales``.
+    Shape:
+        - input: ``[..., n]``.
+        - extra input ``scales``: ``prod(input.shape[:-1])`` values, any floating dtype
+          (its gradient is returned too).
+        - output: like the input.
     """
 
     num_extra_inputs = 1

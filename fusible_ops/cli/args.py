@@ -14,29 +14,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .options import (  # noqa: F401  (UsageError and positive_int are imported from here too)
+    BENCH_DTYPES,
+    DEFAULT_REPEATS,
+    DEFAULT_WARMUP,
+    SMALL_REPEATS,
+    SMALL_WARMUP,
+    UsageError,
+    positive_int,
+)
+
 if TYPE_CHECKING:
-    from .bench import Shape
-
-BENCH_DTYPES = ("bfloat16", "float16", "float32")
-
-
-class UsageError(Exception):
-    """A bad command-line argument found after parsing (an unavailable device, backend...).
-
-    ``python -m fusible_ops`` reports it as one ``python -m fusible_ops CMD: error: ...``
-    line on stderr and exits with status 2, as argparse does for its own errors.
-    """
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
-    return value
+    from .options import Shape
 
 
 def one_line(text: object) -> str:
@@ -146,9 +135,37 @@ def check_output_path(flag: str, path: str | None) -> None:
         raise UsageError(f"{flag} {path}: folder {folder} does not exist")
 
 
+#: the ``bench`` flags ``--hf`` does not read, and how to tell that one was given
+HF_REFUSED_FLAGS = {
+    "--small": lambda a: a.small,
+    "--device": lambda a: a.device is not None,
+    "--backend": lambda a: a.backend is not None,
+    "--experts": lambda a: a.experts is not None,
+    "--hidden": lambda a: a.hidden is not None,
+    "--ffn": lambda a: a.ffn is not None,
+    "--rows": lambda a: a.rows is not None,
+    "--compile": lambda a: a.compile is not None,
+    "--plot": lambda a: a.plot is not None,
+    "--moe-ep": lambda a: a.moe_ep,
+}
+
+
+def check_hf_bench_args(args: argparse.Namespace) -> None:
+    """``bench --hf``: refuse the flags it does not read, before transformers is imported."""
+    given = [flag for flag, is_given in HF_REFUSED_FLAGS.items() if is_given(args)]
+    if given:
+        raise UsageError(
+            f"--hf does not take {', '.join(given)}: it times one fixed shape on the CPU and reads only "
+            "--dtype, --repeats, --progress and --json"
+        )
+    if args.repeats is not None and args.repeats < 1:
+        raise UsageError(f"--repeats must be a positive integer (>= 1), got {args.repeats}")
+    check_output_path("--json", args.json)
+
+
 def check_bench_args(args: argparse.Namespace) -> BenchConfig:
     """Every ``bench`` argument checked before any heavy work; a bad one raises :class:`UsageError`."""
-    from .bench import DEFAULT_SHAPE, SMALL_SHAPE, Shape
+    from .options import DEFAULT_SHAPE, SMALL_SHAPE, Shape
 
     shape = SMALL_SHAPE if args.small else DEFAULT_SHAPE
     overrides = {}
@@ -159,14 +176,16 @@ def check_bench_args(args: argparse.Namespace) -> BenchConfig:
                 raise UsageError(f"--{name} must be a positive integer (>= 1), got {value}")
             overrides[name] = value
     shape = Shape(**{**asdict(shape), **overrides})
-    repeats = args.repeats if args.repeats is not None else (300 if args.small else 10)
+    repeats = args.repeats if args.repeats is not None else (SMALL_REPEATS if args.small else DEFAULT_REPEATS)
     if repeats < 1:
         raise UsageError(f"--repeats must be a positive integer (>= 1), got {repeats}")
-    if args.dtype not in BENCH_DTYPES:
-        raise UsageError(f"--dtype {args.dtype!r}: choose one of {', '.join(BENCH_DTYPES)}")
-    dtype = getattr(torch, args.dtype)
-    device = check_device(args.device)
-    check_backend(args.backend, device, dtype)
+    dtype_name = args.dtype if args.dtype is not None else "bfloat16"
+    if dtype_name not in BENCH_DTYPES:
+        raise UsageError(f"--dtype {dtype_name!r}: choose one of {', '.join(BENCH_DTYPES)}")
+    dtype = getattr(torch, dtype_name)
+    device = check_device(args.device if args.device is not None else "cpu")
+    backend = args.backend if args.backend is not None else "auto"
+    check_backend(backend, device, dtype)
     _check_alignment(shape, dtype)
     check_output_path("--json", args.json)
     check_output_path("--plot", args.plot)
@@ -181,11 +200,11 @@ def check_bench_args(args: argparse.Namespace) -> BenchConfig:
         shape=shape,
         dtype=dtype,
         device=device,
-        backend=args.backend,
+        backend=backend,
         repeats=repeats,
-        warmup=3 if args.small else 2,
+        warmup=SMALL_WARMUP if args.small else DEFAULT_WARMUP,
         compile_variants=args.small if args.compile is None else args.compile,
-        progress=(not args.small) if args.progress is None else args.progress,
+        progress=True if args.progress is None else args.progress,
     )
     _check_plan(config)
     return config

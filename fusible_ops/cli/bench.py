@@ -32,17 +32,7 @@ import torch.nn.functional as F
 
 import fusible_ops as fo
 
-
-@dataclass(frozen=True)
-class Shape:
-    experts: int = 8
-    hidden: int = 1024
-    ffn: int = 1408
-    rows: int = 8192
-
-
-DEFAULT_SHAPE = Shape()
-SMALL_SHAPE = Shape(experts=4, hidden=64, ffn=64, rows=64)
+from .options import DEFAULT_SHAPE, SMALL_SHAPE, Shape  # noqa: F401  (imported from here too)
 
 
 def uneven_splits(rows: int, experts: int, *, seed: int = 0) -> list[int]:
@@ -220,6 +210,10 @@ def shuffled_rounds(names: list[str], rounds: int, seed: int = 0) -> Iterator[li
         yield list(order)
 
 
+#: timed rounds per mode that report progress, at most
+PROGRESS_ROUNDS = 10
+
+
 def time_interleaved(
     variants: dict[str, Callable[[Problem, bool], None]],
     p: Problem,
@@ -234,11 +228,17 @@ def time_interleaved(
     call, and what it left in the caches, changes a tiny call's time by 10-30% on a CPU
     (measured: the variant after ``dense`` is the slow one); a fixed order would hand
     that to the same variant every round. ``progress``, when given, gets one line per
-    variant and round (warm-up rounds included).
+    variant of every warm-up round and of at most :data:`PROGRESS_ROUNDS` timed rounds
+    spread over the run (the last one included).
     """
     mode = "forward+backward" if backward else "forward"
     times: dict[str, list[float]] = {name: [] for name in variants}
+    every = -(-repeats // PROGRESS_ROUNDS)
     for round_index, order in enumerate(shuffled_rounds(list(variants), warmup + repeats)):
+        timed_round = round_index - warmup + 1
+        report = progress is not None and (
+            timed_round < 1 or timed_round % every == 0 or timed_round == repeats
+        )
         for name in order:
             fn = variants[name]
             for param in p.experts.parameters():
@@ -250,11 +250,11 @@ def time_interleaved(
             elapsed = time.perf_counter() - start
             if round_index >= warmup:
                 times[name].append(elapsed)
-            if progress is not None:
+            if report:
                 which = (
                     f"warm-up {round_index + 1}/{warmup}"
-                    if round_index < warmup
-                    else f"round {round_index - warmup + 1}/{repeats}"
+                    if timed_round < 1
+                    else f"round {timed_round}/{repeats}"
                 )
                 progress(f"{mode}: {name}: {which} ({elapsed * 1e3:.1f} ms)")
     return times
@@ -394,10 +394,9 @@ def format_table(results: dict) -> str:
             "MoE layer forward+backward (informational; 512 tokens, hidden 256, ffn 512, 8 experts, top-2, "
             "fp32, gloo on CPU):"
         )
-        lines.append(
-            f"  single process {ep['single_ms']:.2f} ms, EP=2 {ep['ep2_ms']:.2f} ms "
-            f"(slower rank; {ep['ep2_ms'] / ep['single_ms']:.2f}x single)"
-        )
+        from .moe_ep_bench import format_moe_ep
+
+        lines.extend(format_moe_ep(ep))
     return "\n".join(lines)
 
 
@@ -426,18 +425,33 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_json(results: dict, path: str) -> None:
+    """Write ``results`` to ``path`` as JSON and say so on stdout."""
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\nwrote {path}")
+
+
 def main(args) -> int:
     """``python -m fusible_ops bench``: every flag is checked (:func:`check_bench_args`) first."""
-    from .args import UsageError, check_bench_args
+    from .args import UsageError, check_bench_args, check_hf_bench_args
 
     if getattr(args, "hf", None):
         from importlib.util import find_spec
 
+        check_hf_bench_args(args)
         if find_spec("transformers") is None:
             raise UsageError("--hf needs transformers (pip install 'fusible-ops[transformers]')")
         from .hf_bench import main as hf_main
+        from .options import HF_REPEATS
 
-        return hf_main(args.hf, args.repeats or 3, args.progress is not False)
+        return hf_main(
+            args.hf,
+            args.repeats or HF_REPEATS,
+            args.progress is not False,
+            dtypes=(args.dtype,) if args.dtype else ("bfloat16", "float32"),
+            json_path=args.json,
+        )
     config = check_bench_args(args)
     with fo.settings(backend=config.backend):
         results = run_bench(
@@ -455,14 +469,12 @@ def main(args) -> int:
 
         if config.progress:
             print_progress("MoE layer: single process vs EP=2")
-        results["moe_ep"] = run_moe_ep_bench()
+        results["moe_ep"] = run_moe_ep_bench(threads=torch.get_num_threads())
     print(results["plan"])
     print()
     print(format_table(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nwrote {args.json}")
+        write_json(results, args.json)
     if args.plot:
         plot(results, args.plot)
         print(f"wrote {args.plot}")

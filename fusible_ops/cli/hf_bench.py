@@ -9,16 +9,15 @@ medians over the rounds, in bf16 and fp32. Needs the ``transformers`` extra.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import NamedTuple
 
 import torch
 
 from .bench import shuffled_rounds
+from .options import HF_FAMILIES as FAMILIES
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "fusible_ops")
-FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
 #: the realistic CPU shape of the issue: 2048 tokens, hidden 1024, 32 experts, ffn 512, top-4
@@ -145,9 +144,21 @@ def format_hf_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(family: str, repeats: int, progress: bool) -> int:
+def main(
+    family: str,
+    repeats: int,
+    progress: bool,
+    *,
+    dtypes: tuple[str, ...] = ("bfloat16", "float32"),
+    json_path: str | None = None,
+) -> int:
+    """``bench --hf FAMILY``: the table on stdout, progress lines on stderr, JSON when asked."""
+    from .bench import print_progress, write_json
+
     results = run_hf_bench(
-        family, repeats=repeats, progress=(lambda m: print(m, file=sys.stderr)) if progress else None
+        family, dtypes=dtypes, repeats=repeats, progress=print_progress if progress else None
     )
     print(format_hf_table(results))
+    if json_path:
+        write_json(results, json_path)
     return 0

@@ -57,10 +57,10 @@ class FusedBackward(NamedTuple):
 class OperationContext:
     """Per-call state of one basic op.
 
-    Attributes set by the fuser before forward:
-      ``requires_grad``: backward will run through this op;
-      ``input_requires_grad``: the gradient w.r.t. this op's main input is needed;
-      ``params_require_grad``: at least one of this op's parameters needs a gradient.
+    Attributes set by the fuser before forward: ``requires_grad`` (backward will run
+    through this op), ``input_requires_grad`` (the gradient w.r.t. this op's main input is
+    needed), ``params_require_grad`` (at least one of this op's parameters needs a gradient).
+
     ``params``: the op's parameter tensors of this call by name (see
     :meth:`BasicOperation.param_tensors`); forward and backward compute with these,
     never with ``self.weight``, so ``functional_call``, parametrizations and FSDP work.
@@ -184,9 +184,9 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
     #: whether DTensor parameters may reach this op (the tensor-parallel linear ops)
     accepts_dtensor: bool = False
     #: :meth:`preflight` reads only metadata (shapes, dtypes, devices, which kwargs are
-    #: given) and leaves value checks to :meth:`check_values`: the fuser then runs it once
+    #: given) and leaves value checks to :meth:`~fusible_ops.BasicOperation.check_values`: the fuser then runs it once
     #: per call signature and ``check_values`` on every call. It counts only on the class
-    #: that defines ``preflight`` (see :func:`preflight_is_static`): a subclass overriding
+    #: that defines ``preflight`` (see ``preflight_is_static``): a subclass overriding
     #: ``preflight`` is checked on every call unless it says so too.
     static_preflight: bool = True
 
@@ -219,7 +219,7 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
         """The op's configuration as Python literals: everything its checks, plans and
         math read besides tensors and ``training``. A compiled call of the library's own
         ops guards on these instead of tracing through them (see
-        :mod:`fusible_ops.fuser.compiled`); None (the default): its calls are traced through."""
+        ``fusible_ops.fuser.compiled``); None (the default): its calls are traced through."""
         return None
 
     def plan_backend(self, device: torch.device, dtype: torch.dtype) -> Any:
@@ -247,9 +247,31 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
 
     # ------------------------------------------------------------ per-op math
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, *extra_inputs: Any, **kwargs: Any):
+        """Compute this op's output; save in ``ctx`` what :meth:`op_backward` needs.
+
+        Args:
+            ctx: this op's context for the call (``ctx.save_for_backward``, ``ctx.requires_grad``,
+                ``ctx.backend_choice``).
+            input_: the main tensor, ``[*, in]``.
+            *extra_inputs: the ``num_extra_inputs`` extra inputs this op declares, in order.
+            **kwargs: this op's entry of ``op_kwargs`` (only names in ``accepted_kwargs``).
+
+        Returns:
+            The output tensor, ``[*, out]``.
+        """
         raise NotImplementedError(f"{type(self).__name__}.op_forward")
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
+        """Gradients of this op from what :meth:`op_forward` saved in ``ctx``.
+
+        Args:
+            ctx: the context :meth:`op_forward` filled.
+            grad_output: gradient of the output, shaped like it.
+
+        Returns:
+            ``OpBackward(grad_input, grad_params, grad_extra_inputs)``: the input's gradient (or
+            None), one gradient (or None) per entry of ``param_names``, and one per extra input.
+        """
         raise NotImplementedError(f"{type(self).__name__}.op_backward")
 
     def preflight(
@@ -275,9 +297,15 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
         """
 
     def op_name(self) -> str:
+        """The name error messages and plans use for this op (its class name)."""
         return type(self).__name__
 
     def check_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """Refuse ``op_kwargs`` entries this op does not accept.
+
+        Raises:
+            TypeError: a key is not in ``accepted_kwargs``.
+        """
         unknown = sorted(set(kwargs) - self.accepted_kwargs)
         if unknown:
             accepted = sorted(self.accepted_kwargs) or "none"
@@ -285,10 +313,26 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
 
     # ------------------------------------------------------------ fuser interface
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs) -> FusedForward:
+        """The fuser-level forward: :meth:`~fusible_ops.BasicOperation.op_forward` on the one context.
+
+        Ops with extra outputs override this instead of ``op_forward``; the arguments are
+        per basic op (lists of one here), as for a :class:`FusedOperation`.
+
+        Returns:
+            ``FusedForward(output, extra_outputs_per_op)``.
+        """
         output = self.op_forward(basic_op_ctxs[0], input_, *basic_op_extra_inputs[0], **basic_op_kwargs[0])
         return FusedForward(output, [()])
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs) -> FusedBackward:
+        """The fuser-level backward: :meth:`~fusible_ops.BasicOperation.op_backward`, its result checked and packed.
+
+        Returns:
+            ``FusedBackward(grad_input, grad_params_per_op, grad_extra_inputs_per_op)``.
+
+        Raises:
+            TypeError: ``op_backward`` returned something other than an ``OpBackward``.
+        """
         result = self.op_backward(basic_op_ctxs[0], grad_output)
         if isinstance(result, tuple) and not isinstance(result, OpBackward) and len(result) in (2, 3):
             result = OpBackward(*result)  # a plain tuple from an op written before OpBackward

@@ -21,9 +21,9 @@ class Settings:
 
     #: apply fusion rules at all
     fusion: bool = True
-    #: grouped-GEMM backend: "auto" or a name that ``python -m fusible_ops info`` lists
+    #: the grouped-GEMM backend, "auto" or a name that ``python -m fusible_ops info`` lists
     backend: str = "auto"
-    #: let the Triton backend autotune tile configurations (False: first config only)
+    #: whether the Triton backend autotunes tile configurations (else it takes the first one)
     triton_autotune: bool = True
 
     @property

@@ -22,6 +22,7 @@ from .rules import (
     FusionContext,
     checked_plan,
     classify_extra_inputs,
+    load_builtin_rules,
     registered_rules,
     registry_version,
 )
@@ -58,6 +59,7 @@ class OperationFuser(HookedSegments):
         first_index: int | None = None,
         keep_signatures: bool = True,
     ) -> None:
+        load_builtin_rules()
         self.ops = list(ops)
         #: False for a fuser made for one call (an op's own ``forward``): keying the call
         #: by its signature would cost time and save none
@@ -76,8 +78,8 @@ class OperationFuser(HookedSegments):
         self._one_extra_each = all(n == 1 for n in self._extra_counts)
         #: whether every op's preflight is static (see preflight_is_static); None: not known yet
         self._static: bool | None = None
-        #: where a compiled call finds this fuser (None: its compiled calls are traced
-        #: through; a fuser made for one call has no lasting identity to find)
+        #: the key by which a compiled call finds this fuser, or None for a fuser made for one
+        #: call (it has no lasting identity to find, so its compiled calls are traced through)
         self.compiled_key = register_fuser(self) if keep_signatures else None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -197,6 +199,8 @@ class OperationFuser(HookedSegments):
         grad_flags: list[tuple[bool, bool, bool]],
         params: list[list[torch.nn.Parameter]] | None = None,
     ) -> FusionPlan:
+        """The :class:`FusionPlan` (forward and backward op lists, every decision) of a call with
+        this input meta and, per op, these extra inputs, kwargs, grad flags and tensors."""
         settings = current_settings()
         if params is None:
             params = self._params()
@@ -271,6 +275,7 @@ class OperationFuser(HookedSegments):
 
     # ------------------------------------------------------------ running
     def split_extra_inputs(self, extra_inputs: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """Per op, a tuple of its ``num_extra_inputs`` values (``ValueError`` on a wrong count)."""
         counts = self._extra_counts
         if self._one_extra_each and len(extra_inputs) == len(counts):
             return [(value,) for value in extra_inputs]

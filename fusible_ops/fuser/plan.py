@@ -81,16 +81,20 @@ class FusionPlan:
 
     @property
     def fired(self) -> list[FusionDecision]:
+        """The decisions whose fusion was applied."""
         return [d for d in self.decisions if d.fired]
 
     @property
     def declined(self) -> list[FusionDecision]:
+        """The decisions whose fusion was not applied, each with its reason."""
         return [d for d in self.decisions if not d.fired]
 
     def forward_op_types(self) -> list[str]:
+        """Class names of the ops the forward runs, in order (fused ops included)."""
         return [type(e.op).__name__ for e in self.forward]
 
     def backward_op_types(self) -> list[str]:
+        """Class names of the ops the backward runs, in the order they run."""
         return [type(e.op).__name__ for e in self.backward]
 
     def __str__(self) -> str:
@@ -120,10 +124,12 @@ class SequentialPlan:
 
     @property
     def fusion_plans(self) -> list[FusionPlan]:
+        """The plans of the fuser groups (plain modules left out)."""
         return [g for g in self.groups if isinstance(g, FusionPlan)]
 
     @property
     def decisions(self) -> list[FusionDecision]:
+        """Every fusion decision of every group, in order."""
         return [d for plan in self.fusion_plans for d in plan.decisions]
 
     def __str__(self) -> str:

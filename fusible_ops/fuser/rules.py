@@ -8,6 +8,7 @@ current forward or backward op list (``PlanEntry`` items) and returns a new one.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,17 +64,39 @@ def register_fusion(rule: RuleFn, *, kind: str, prepend: bool = False) -> RuleFn
 
 
 def unregister_fusion(rule: RuleFn) -> None:
+    """Remove ``rule`` from every kind it is registered under (a no-op if it is not).
+
+    Plans made while it was registered are discarded (the fuser re-plans).
+    """
     for rules in _RULES.values():
         if rule in rules:
             rules.remove(rule)
     _registry_changed()
 
 
+#: modules whose import registers the library's own rules (a registry filled by name, so the
+#: fuser never imports the fused ops it is built below)
+BUILTIN_RULE_MODULES = ("fusible_ops.fused",)
+_builtin_rules_loaded = [False]
+
+
+def load_builtin_rules() -> None:
+    """Import :data:`BUILTIN_RULE_MODULES` once, so that a fuser reached through any module
+    (``import fusible_ops`` itself loads nothing) plans with the built-in fusions."""
+    if not _builtin_rules_loaded[0]:
+        for module in BUILTIN_RULE_MODULES:
+            importlib.import_module(module)
+        _builtin_rules_loaded[0] = True
+
+
 def registered_rules(kind: str) -> list[RuleFn]:
+    """The rules of ``kind``, in the order they run."""
+    load_builtin_rules()
     return list(_RULES[kind])
 
 
 def registry_version() -> int:
+    """A counter bumped by every registration change (plans are cached per version)."""
     return _registry_version[0]
 
 
@@ -92,14 +115,15 @@ class FusionContext:
     requires_grad: bool
     settings: Settings
     kwarg_keys: tuple[frozenset[str], ...]
-    #: per op, per extra input: an id shared by extra inputs known to be equal
+    #: an id per op and extra input, shared by extra inputs known to be equal
     extra_input_classes: tuple[tuple[int, ...], ...]
-    #: per op, per extra input: a short description ("list", "cpu tensor", "cuda tensor", ...)
+    #: a short description per op and extra input ("list", "cpu tensor", "cuda tensor", ...)
     extra_input_kinds: tuple[tuple[str, ...], ...]
     kind: str = ""
     decisions: list[FusionDecision] | None = None
 
     def has_kwarg(self, op_index: int, key: str) -> bool:
+        """Whether op ``op_index`` (position in the group) got ``key`` in ``op_kwargs``."""
         return key in self.kwarg_keys[op_index]
 
     def same_extra_input(self, a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -109,6 +133,15 @@ class FusionContext:
     def record(
         self, rule: str, indices: Sequence[int], *, fired: bool, reason: str = "", backend=None
     ) -> None:
+        """Log a decision for the plan.
+
+        Args:
+            rule: the rule's name.
+            indices: the ops (positions in the group) the decision is about.
+            fired: whether the fusion was applied.
+            reason: why it was declined (empty when it fired).
+            backend: the backend the fused op will use (a ``BackendChoice``), if any.
+        """
         assert self.decisions is not None
         self.decisions.append(
             FusionDecision(rule, self.kind, tuple(indices), fired, reason=reason, backend=backend)

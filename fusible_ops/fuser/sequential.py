@@ -51,6 +51,14 @@ class Sequential(torch.nn.Module):
         self._get_groups()
 
     def append(self, module: torch.nn.Module) -> Sequential:
+        """Add ``module`` at the end.
+
+        Returns:
+            This Sequential.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``.
+        """
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Sequential: {type(module).__name__} is not an nn.Module")
         self._modules[str(len(self._modules))] = module
@@ -58,11 +66,25 @@ class Sequential(torch.nn.Module):
         return self
 
     def extend(self, modules: Iterable[torch.nn.Module]) -> Sequential:
+        """Append every module of ``modules``, in order.
+
+        Returns:
+            This Sequential.
+        """
         for module in modules:
             self.append(module)
         return self
 
     def insert(self, index: int, module: torch.nn.Module) -> Sequential:
+        """Insert ``module`` before position ``index`` (negative counts from the end).
+
+        Returns:
+            This Sequential.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``.
+            IndexError: ``index`` is outside ``[-len(self), len(self)]``.
+        """
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"Sequential: {type(module).__name__} is not an nn.Module")
         modules = self._module_list()
@@ -74,6 +96,7 @@ class Sequential(torch.nn.Module):
         return self
 
     def pop(self, index: int = -1) -> torch.nn.Module:
+        """Remove the module at ``index`` and return it."""
         modules = self._module_list()
         module = modules.pop(index)
         self._reset_modules(modules)
@@ -245,6 +268,26 @@ class Sequential(torch.nn.Module):
 
     # ------------------------------------------------------------ running
     def forward(self, input: torch.Tensor, *extra_inputs: Any, op_kwargs: Mapping[Any, Any] | None = None):
+        """Run the modules in order; each run of basic ops goes through its fuser.
+
+        Args:
+            input: the main tensor, ``[*, in]`` (e.g. ``[N, hidden]`` routed rows for an expert
+                block).
+            *extra_inputs: the extra inputs of every op that declares some, in op order (e.g.
+                split sizes ``[E]``, routing probabilities ``[N]``, split sizes again for the
+                expert block ``GroupedLinear -> ScaledSwiGLU -> GroupedLinear``).
+            op_kwargs: per-op keyword arguments: ``{op or index: {key: value}}``, e.g.
+                ``{fo.OUTPUT_BUFFER_KEY: buffer}`` for a caller-provided output.
+
+        Returns:
+            The last module's output, ``[*, out]``; ``(output, *extra_outputs)`` when ops
+            produce extra outputs.
+
+        Raises:
+            ValueError: a call that an op refuses (shapes, dtypes, devices, split sizes,
+                overlapping buffers), before anything is computed or written.
+            TypeError: an ``op_kwargs`` key that no op accepts, or a wrong number of extra inputs.
+        """
         if op_kwargs is None:
             if is_compiling():
                 # one fuser group of the current modules (their ids, read once: one path

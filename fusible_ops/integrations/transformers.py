@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .. import fused as _fused  # noqa: F401  (registers the built-in fusion rules)
 from ..basic.activations import GEGLU, ClampedSwiGLU, SReLU, SwiGLU
 from ..basic.grouped_linear import GroupedLinear
 from ..basic.scale import Scale

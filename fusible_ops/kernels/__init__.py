@@ -130,9 +130,11 @@ class BackendChoice:
 
     @property
     def name(self) -> str:
+        """The selected backend's registered name."""
         return self.backend.name
 
     def explain(self) -> str:
+        """One line for the plan: the backend, and why each preferred one was skipped."""
         if not self.skipped:
             return f"backend {self.name}"
         skipped = "; ".join(f"{name}: {reason}" for name, reason in self.skipped)

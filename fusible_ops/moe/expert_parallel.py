@@ -47,6 +47,7 @@ class DispatchState:
 
     @property
     def num_local_rows(self) -> int:
+        """Rows this rank received for its local experts."""
         return sum(self.local_split_sizes)
 
 

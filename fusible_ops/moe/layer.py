@@ -205,10 +205,12 @@ class MoE(nn.Module):
 
     @property
     def ep_rank(self) -> int:
+        """This process's rank in the expert-parallel group (0 without one)."""
         return 0 if self.expert_parallel is None else self.expert_parallel.rank
 
     @property
     def ep_size(self) -> int:
+        """Ranks in the expert-parallel group (1 without one)."""
         return 1 if self.expert_parallel is None else self.expert_parallel.world_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -374,10 +376,12 @@ class MoE(nn.Module):
     # the routing options, readable as before
     @property
     def score(self) -> str:
+        """The router's score function, ``"softmax"`` or ``"sigmoid"``."""
         return self.routing.score
 
     @property
     def renormalize(self) -> bool:
+        """Whether the top-k probabilities are renormalized to sum to 1 per token."""
         return self.routing.renormalize
 
 

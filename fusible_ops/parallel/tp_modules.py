@@ -29,6 +29,7 @@ class TPLinear(nn.Linear):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``y = x W^T + b``: ``input`` ``[*, in_features]`` -> ``[*, out_features]``."""
         return tp_linear_forward(input, self.weight, self.bias, mm_for_2d_compile=True)
 
 
@@ -115,6 +116,7 @@ class LinearLoRA(nn.Linear):
         return lora
 
     def reset_parameters(self) -> None:
+        """Re-initialize the base layer as ``nn.Linear`` does, and the adapter."""
         # nn.Linear.__init__ calls this before the adapters exist.
         super().reset_parameters()
         if hasattr(self, "lora_A"):
@@ -154,6 +156,11 @@ class LinearLoRA(nn.Linear):
         self.merged = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """The base layer plus the adapter (the base alone once merged).
+
+        Shape:
+            ``input`` ``[*, in_features]`` -> ``[*, out_features]``.
+        """
         out = tp_linear_forward(input, self.weight, self.bias, mm_for_2d_compile=False)
         if self.merged:
             return out
