@@ -78,7 +78,14 @@ def start_call() -> None:
     Traced calls never read that eager cache, and leave it alone (a side effect Dynamo
     refuses inside a checkpointed region)."""
     if not torch.compiler.is_compiling():
-        _last_splits().tensor = None
+        forget_split_reads()
+
+
+def forget_split_reads() -> None:
+    """:func:`start_call` for a caller that knows it is not tracing."""
+    last = getattr(_last, "value", None)
+    if last is not None:
+        last.tensor = None
 
 
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:

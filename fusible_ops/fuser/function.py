@@ -61,6 +61,16 @@ class CallState:
     num_params: int = field(init=False)
     #: each op's slice of the flattened extra outputs
     output_slices: list[slice] = field(init=False)
+    #: per op, the positions of its extra inputs among the Function's distinct arguments
+    extra_arg_slots: list[tuple[int, ...]] = field(init=False)
+    #: positions of the parameters (flattened, None dropped) among the distinct arguments
+    param_arg_slots: tuple[int, ...] = field(init=False)
+    #: per op, ``(name, position in the flattened parameters or None when absent)``, in the
+    #: order ops see them: the parameters given, then the absent ones
+    param_layout: list[tuple[tuple[str, int | None], ...]] = field(init=False)
+    #: ``(op index, name, position in the flattened parameters)`` of each parameter that
+    #: needs no gradient in this call: backward refuses it if it was unfrozen since
+    frozen_params: tuple[tuple[int, str, int], ...] = field(init=False)
 
     def __post_init__(self) -> None:
         self.extra_slices = count_slices(self.extra_counts)
@@ -69,6 +79,19 @@ class CallState:
         self.num_extra = sum(self.extra_counts)
         self.num_params = sum(self.param_counts)
         self.output_slices = count_slices([op.num_extra_outputs for op in self.ops])
+        extra_slots = self.slots[: self.num_extra]
+        self.extra_arg_slots = [tuple(extra_slots[part]) for part in self.extra_slices]
+        self.param_arg_slots = tuple(self.slots[self.num_extra :])
+        layout, frozen = [], []
+        for index, (names, absent, part) in enumerate(
+            zip(self.param_names, self.absent_params, self.param_slices)
+        ):
+            positions = range(part.start, part.stop)
+            layout.append((*zip(names, positions), *((name, None) for name in absent)))
+            flags = self.param_requires_grad[index]
+            frozen.extend((index, name, pos) for name, pos in zip(names, positions) if not flags.get(name))
+        self.param_layout = layout
+        self.frozen_params = tuple(frozen)
 
 
 def count_slices(counts: list[int]) -> list[slice]:
@@ -84,18 +107,14 @@ def dedupe_args(values: list[Any]) -> tuple[list[Any], list[int]]:
     """Distinct arguments (tensors compared by identity) and each value's slot among them."""
     unique: list[Any] = []
     slots = []
+    seen: dict[int, int] = {}  # id of a tensor -> its slot (every value is alive for the call)
     for value in values:
+        slot = len(unique)
         if isinstance(value, torch.Tensor):
-            for j, known in enumerate(unique):
-                if known is value:
-                    slots.append(j)
-                    break
-            else:
-                slots.append(len(unique))
-                unique.append(value)
-        else:
-            slots.append(len(unique))
+            slot = seen.setdefault(id(value), slot)
+        if slot == len(unique):
             unique.append(value)
+        slots.append(slot)
     return unique, slots
 
 
@@ -120,27 +139,27 @@ def _owned(output: torch.Tensor, input_: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def _op_params(state: CallState, index: int, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-    params: dict[str, Any] = dict(zip(state.param_names[index], tensors))
-    for name in state.absent_params[index]:
-        params[name] = None
-    return params
+def _split_params(state: CallState, flat: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+    """Each op's parameter dict from the flattened parameters (absent ones as None)."""
+    return [
+        {name: None if pos is None else flat[pos] for name, pos in layout} if layout else {}
+        for layout in state.param_layout
+    ]
 
 
-def _check_unfrozen(state: CallState, params: list[dict[str, Any]]) -> None:
+def _check_unfrozen(state: CallState, flat_params: Sequence[torch.Tensor]) -> None:
     """Refuse a backward whose parameter was unfrozen after forward (before any write).
 
     Forward saved nothing that parameter's gradient needs, so the gradient cannot be
     computed; silently leaving it unset would train the wrong thing.
     """
-    for op, op_params, flags in zip(state.ops, params, state.param_requires_grad):
-        for name, tensor in op_params.items():
-            if tensor is not None and tensor.requires_grad and not flags.get(name, False):
-                raise RuntimeError(
-                    f"{op.op_name()}: parameter {name!r} was set to require grad after forward; its "
-                    "gradient cannot be computed from what forward saved. Set requires_grad before "
-                    "the forward pass (or run forward again)"
-                )
+    for index, name, pos in state.frozen_params:
+        if flat_params[pos].requires_grad:
+            raise RuntimeError(
+                f"{state.ops[index].op_name()}: parameter {name!r} was set to require grad after "
+                "forward; its gradient cannot be computed from what forward saved. Set "
+                "requires_grad before the forward pass (or run forward again)"
+            )
 
 
 def _check_grad_buffers(state: CallState) -> None:
@@ -178,10 +197,6 @@ def _adopted_as_grad(input_: torch.Tensor | None, buffer: torch.Tensor | None) -
         if owner.grad is not None and tensors_overlap(owner.grad, buffer):
             return True
     return False
-
-
-def _split_params(state: CallState, flat: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
-    return [_op_params(state, index, flat[part]) for index, part in enumerate(state.param_slices)]
 
 
 def run_forward(
@@ -257,9 +272,9 @@ def run_without_grad(
 class FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, input_: torch.Tensor, state: CallState, *unique_args: Any):
-        flat_args = [unique_args[slot] for slot in state.slots]
-        extra_flat, flat_params = flat_args[: state.num_extra], flat_args[state.num_extra :]
-        extra_inputs = [tuple(extra_flat[part]) for part in state.extra_slices]
+        extra_inputs = [tuple([unique_args[slot] for slot in slots]) for slots in state.extra_arg_slots]
+        flat_params = [unique_args[slot] for slot in state.param_arg_slots]
+        params = _split_params(state, flat_params)
 
         ctxs = []
         for index, (requires_grad, input_requires_grad, params_require_grad) in enumerate(state.ctx_flags):
@@ -269,7 +284,7 @@ class FuserFunction(torch.autograd.Function):
                 ctx.input_requires_grad = input_requires_grad
                 ctx.params_require_grad = params_require_grad
                 ctx.param_requires_grad = state.param_requires_grad[index]
-            ctx.params = _op_params(state, index, flat_params[state.param_slices[index]])
+            ctx.params = params[index]
             op_kwargs = state.kwargs[index]
             if op_kwargs:
                 ctx.grad_input_buffer = op_kwargs.get(GRAD_INPUT_BUFFER_KEY)
@@ -311,10 +326,12 @@ class FuserFunction(torch.autograd.Function):
         state: CallState = func_ctx.state
         saved = func_ctx.saved_tensors
         num_params = state.num_params
-        params = _split_params(state, saved[:num_params])
+        params = _split_params(state, saved)
         if not torch.compiler.is_compiling():
-            _check_unfrozen(state, params)
-            _check_grad_buffers(state)
+            if state.frozen_params:
+                _check_unfrozen(state, saved)
+            if state.grad_buffers:
+                _check_grad_buffers(state)
         position = num_params
         ctxs = []
         for index, (fwd_ctx, (num_positional, names)) in enumerate(zip(func_ctx.ctxs, func_ctx.layout)):

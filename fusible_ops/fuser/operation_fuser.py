@@ -12,7 +12,7 @@ from ..core.buffers import GRAD_BUFFER_WRITES, GRAD_INPUT_BUFFER_KEY, call_buffe
 from ..core.dtypes import compute_dtype
 from ..core.op import NO_ENTRIES, BasicOperation, TensorMeta, preflight_is_static
 from ..core.settings import current_settings
-from ..core.splits import start_call
+from ..core.splits import forget_split_reads, start_call
 from ..kernels.signature_checks import SignatureChecks, plan_takes_part
 from .compiled import compiled_call, register_fuser
 from .function import CallState, FuserFunction, count_slices, dedupe_args, run_without_grad
@@ -27,6 +27,9 @@ from .rules import (
     registry_version,
 )
 from .signature import BoundedCache, PreparedCall, autocast_state, call_signature
+
+# a name, not a ``torch.`` lookup, in the traced code (one guard, not one per attribute)
+is_compiling = torch.compiler.is_compiling
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -365,13 +368,21 @@ class OperationFuser(HookedSegments):
     ):
         """``param_dicts``: each op's parameter tensors for this call (default: what
         :meth:`~BasicOperation.param_tensors` reads; a compiled call passes its graph's)."""
-        if param_dicts is None and torch.compiler.is_compiling():
-            result = compiled_call(self, self.ops, input_, extra_inputs, basic_op_kwargs)
-            if result is not None:
-                return result
-        start_call()
+        compiling = is_compiling()
+        if compiling:
+            if param_dicts is None:
+                result = compiled_call(self, self.ops, input_, extra_inputs, basic_op_kwargs)
+                if result is not None:
+                    return result
+        else:
+            forget_split_reads()  # what start_call does in eager
         keyed = None
-        if (basic_op_kwargs is None or not any(basic_op_kwargs)) and self._may_reuse(extra_inputs):
+        # compiling: traced once per graph, the plan is made while tracing
+        if (
+            not compiling
+            and (basic_op_kwargs is None or not any(basic_op_kwargs))
+            and self._may_reuse(extra_inputs)
+        ):
             if param_dicts is None:
                 param_dicts = [op.param_tensors() for op in self.ops]
             keyed = call_signature(self.ops, input_, extra_inputs, param_dicts)
@@ -402,9 +413,9 @@ class OperationFuser(HookedSegments):
         )
 
     def _may_reuse(self, extra_inputs: tuple) -> bool:
-        """Whether a call without op kwargs may reuse a prepared call (see fuser_signature)."""
-        if not self.keep_signatures or torch.compiler.is_compiling():
-            return False  # compiling: traced once per graph, the plan is made while tracing
+        """Whether an eager call without op kwargs may reuse a prepared call (see fuser_signature)."""
+        if not self.keep_signatures:
+            return False
         if self._static is None:
             self._static = all(preflight_is_static(op) for op in self.ops)
         return (
