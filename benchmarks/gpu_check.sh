@@ -81,6 +81,9 @@ bench() {  # bench NAME LIMIT_S [shape flags...]
 bench bench_default 90
 bench bench_large 150 --experts 8 --hidden 4096 --ffn 14336 --rows 32768
 
+# low-precision recipes: the scaled_grouped_mm engine against the emulation (not yet run on a GPU)
+step recipes_cuda 120 python -m pytest -q -p no:cacheprovider -rs tests/test_recipes_cuda.py
+
 if [ "${GPU_CHECK_SUITE:-0}" = "1" ]; then
     step cuda_suite "$SUITE_TIMEOUT" python -m pytest -q -p no:cacheprovider -rs tests
 fi

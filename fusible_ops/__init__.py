@@ -5,7 +5,7 @@
 
 Public names load on first use (PEP 562): ``import fusible_ops`` alone imports neither
 torch nor any op, so ``python -m fusible_ops --help`` answers at once. The built-in
-fusion rules register when the first fuser is built (``fusion_rules.load_builtin_rules``),
+fusion rules register when the first fuser is built (``fusible_ops.fuser.rules.load_builtin_rules``),
 whichever module it was reached through.
 """
 
@@ -31,29 +31,30 @@ _BASIC_OPS = (
 #: public name -> the module that defines it (relative to this package)
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(_BASIC_OPS, ".basic"),
-    "GRAD_INPUT_BUFFER_KEY": ".buffers",
-    "OUTPUT_BUFFER_KEY": ".buffers",
-    "validate_or_alloc_output": ".buffers",
+    "GRAD_INPUT_BUFFER_KEY": ".core.buffers",
+    "OUTPUT_BUFFER_KEY": ".core.buffers",
+    "validate_or_alloc_output": ".core.buffers",
     "BackendUnavailableError": ".kernels",
-    "BasicOperation": ".op",
-    "FusedBackward": ".op",
-    "FusedForward": ".op",
-    "FusedOperation": ".op",
-    "FusibleOperation": ".op",
-    "OpBackward": ".op",
-    "OperationContext": ".op",
-    "FusionContext": ".fusion_rules",
-    "register_fusion": ".fusion_rules",
-    "unregister_fusion": ".fusion_rules",
-    "window_rule": ".fusion_rules",
-    "FusionDecision": ".plan",
-    "FusionPlan": ".plan",
-    "SequentialPlan": ".plan",
+    "BasicOperation": ".core.op",
+    "FusedBackward": ".core.op",
+    "FusedForward": ".core.op",
+    "FusedOperation": ".core.op",
+    "FusibleOperation": ".core.op",
+    "OpBackward": ".core.op",
+    "OperationContext": ".core.op",
+    "FusionContext": ".fuser.rules",
+    "register_fusion": ".fuser.rules",
+    "unregister_fusion": ".fuser.rules",
+    "window_rule": ".fuser.rules",
+    "FusionDecision": ".fuser.plan",
+    "FusionPlan": ".fuser.plan",
+    "SequentialPlan": ".fuser.plan",
     "GroupedMLP": ".fused",
-    "Linear": ".composites",
-    "MoE": ".moe_layer",
-    "OperationFuser": ".fuser",
-    "Sequential": ".sequential",
+    "Linear": ".basic.composites",
+    "MoE": ".moe.layer",
+    "OperationFuser": ".fuser.operation_fuser",
+    "Sequential": ".fuser.sequential",
+    "quantized": ".recipes",
 }
 
 #: the basic ops (``fusible_ops.basic``) minus their abstract bases, then the rest
@@ -80,6 +81,8 @@ __all__ = [
     "SequentialPlan",
     "Settings",
     "current_settings",
+    "quantized",
+    "recipes",
     "register_fusion",
     "settings",
     "unregister_fusion",

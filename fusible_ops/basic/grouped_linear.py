@@ -15,7 +15,9 @@ from ..core.shapes import as_rows
 from ..core.splits import SplitInfo, check_split_sizes, to_split_info
 from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
+from ..kernels.quantized import QuantizedChoice, select_quantized
 from ..kernels.signature_checks import signature_fixes_kernel_args
+from . import quantized_linear
 
 
 def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_features: int) -> None:
@@ -177,6 +179,14 @@ class GroupedLinear(BasicOperation):
         forced = current_settings().backend
         return select_backend(device, dtype, purpose="gemm", forced=forced, features=features)
 
+    def plan_quantized(self, device: torch.device, dtype: torch.dtype, settings) -> QuantizedChoice:
+        """How this op's GEMMs run under ``settings.recipe`` (see :mod:`fusible_ops.recipes`)."""
+        features = ((self.in_features, self.out_features),)
+        return select_quantized(
+            settings.recipe, device, dtype, grouped=True, forced_backend=settings.backend,
+            engine=settings.recipe_backend, features=features,
+        )  # fmt: skip
+
     static_preflight = True  # value checks, if any, are in check_values
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
@@ -211,9 +221,15 @@ class GroupedLinear(BasicOperation):
         x = cast(as_rows(input_, self.in_features), dtype)
         weight, bias = cast(self.weight_out_in(weight_param), dtype), cast(ctx.params["bias"], dtype)
         splits = to_split_info(split_sizes, x.shape[0], x)
-        backend: GroupedGemmBackend = ctx.backend_choice.backend  # the plan's choice
         out_shape = (*input_.shape[:-1], self.out_features)
         out2d = buffer_rows(output, x.shape[0], self.out_features)  # checked in preflight
+        if type(ctx.backend_choice) is QuantizedChoice:
+            y = quantized_linear.grouped_forward(
+                self, ctx, ctx.backend_choice, x, weight_param, weight, bias, splits, out2d
+            )
+            ctx.input_shape = input_.shape
+            return y if y.shape == out_shape else y.view(out_shape)
+        backend: GroupedGemmBackend = ctx.backend_choice.backend  # the plan's choice
         y = kernel_ops.fprop(backend, x, weight, splits, bias=bias, out=out2d)
         if ctx.requires_grad:
             # The weight itself is saved by the fuser (with every parameter of the call).
@@ -229,6 +245,8 @@ class GroupedLinear(BasicOperation):
         return y if y.shape == out_shape else y.view(out_shape)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
+        if getattr(ctx, "quantized", None) is not None:
+            return quantized_linear.grouped_backward(self, ctx, grad_output)
         saved = ctx.saved
         backend: GroupedGemmBackend = ctx.backend
         weight_param, bias_param = ctx.params["weight"], ctx.params["bias"]

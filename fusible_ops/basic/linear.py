@@ -12,6 +12,8 @@ import torch
 
 from ..core.dtypes import cast, compute_dtype, compute_dtype_of
 from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
+from ..kernels.quantized import QuantizedChoice, select_quantized
+from . import quantized_linear
 from .grouped_linear import check_float_input
 from .linear_dispatch import tp_linear_forward
 
@@ -41,6 +43,15 @@ class BasicLinear(BasicOperation):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
+    def plan_quantized(self, device: torch.device, dtype: torch.dtype, settings) -> QuantizedChoice:
+        """How this op's GEMMs run under ``settings.recipe`` (see :mod:`fusible_ops.recipes`)."""
+        if _is_dtensor(self.weight):
+            raise ValueError(
+                f"{self.op_name()}: recipe {settings.recipe!r} with a DTensor (tensor-parallel) weight is not "
+                "supported yet; run this layer outside fusible_ops.quantized or give it recipe=None"
+            )
+        return select_quantized(settings.recipe, device, dtype, grouped=False, engine=settings.recipe_backend)
+
     static_preflight = True  # value checks, if any, are in check_values
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
@@ -54,6 +65,8 @@ class BasicLinear(BasicOperation):
         return linear_forward(ctx, self, input_, None)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
+        if getattr(ctx, "quantized", None) is not None:
+            return quantized_linear.linear_backward(self, ctx, grad_output)
         x, weight = ctx.saved["input"], ctx.params["weight"]
         if _is_dtensor(weight):
             return _autograd_linear_backward(ctx, x, weight, grad_output)
@@ -82,6 +95,8 @@ def linear_forward(
     else:
         dtype = compute_dtype_of(input_)
         input_, weight, bias = cast(input_, dtype), cast(weight, dtype), cast(bias, dtype)
+        if type(ctx.backend_choice) is QuantizedChoice:
+            return quantized_linear.linear_forward(ctx, linear, ctx.backend_choice, input_, weight, bias)
     if ctx.requires_grad:
         # the fuser saves the weight with every parameter of the call
         keep_input = ctx.needs_param_grad("weight") or _is_dtensor(weight)

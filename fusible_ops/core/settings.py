@@ -25,15 +25,19 @@ class Settings:
     backend: str = "auto"
     #: whether the Triton backend autotunes tile configurations (else it takes the first one)
     triton_autotune: bool = True
+    #: low-precision recipe of ``fusible_ops.quantized`` (a ``fusible_ops.recipes.Recipe``), or None
+    recipe: object = None
+    #: how quantized GEMMs run: "auto", "emulation", "scaled_mm" (CPU) or "scaled_grouped_mm" (CUDA)
+    recipe_backend: str = "auto"
 
     @property
-    def facts(self) -> tuple[bool, str, bool]:
+    def facts(self) -> tuple:
         """Every setting, as a tuple (what a compiled call guards on)."""
-        return (self.fusion, self.backend, self.triton_autotune)
+        return (self.fusion, self.backend, self.triton_autotune, self.recipe, self.recipe_backend)
 
 
 #: the type each setting must have exactly
-_TYPES: dict[str, type] = {"fusion": bool, "backend": str, "triton_autotune": bool}
+_TYPES: dict[str, type] = {"fusion": bool, "backend": str, "triton_autotune": bool, "recipe_backend": str}
 
 
 class _SettingsStack(threading.local):
@@ -92,11 +96,26 @@ def settings(**changes: object) -> Iterator[Settings]:
     if unknown:
         raise TypeError(f"fusible_ops.settings got unknown setting(s) {unknown}; known: {sorted(known)}")
     for name, value in changes.items():
+        if name == "recipe":
+            from ..recipes.recipes import Recipe
+
+            if value is not None and not isinstance(value, Recipe):
+                raise TypeError(
+                    f"fusible_ops.settings: recipe must be a fusible_ops.recipes recipe or None, got {value!r}"
+                )
+            continue
         expected = _TYPES[name]
         if type(value) is not expected:  # bool is an int subclass, and 0/1 are not bools here
             raise TypeError(
                 f"fusible_ops.settings: {name} must be a {expected.__name__}, got {value!r} "
                 f"({type(value).__name__})"
+            )
+    if "recipe_backend" in changes:
+        from ..recipes.recipes import RECIPE_BACKENDS
+
+        if changes["recipe_backend"] not in RECIPE_BACKENDS:
+            raise ValueError(
+                f"fusible_ops.settings: unknown recipe_backend {changes['recipe_backend']!r}; choose one of {RECIPE_BACKENDS}"
             )
     if "backend" in changes:
         names = _backend_names()

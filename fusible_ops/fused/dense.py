@@ -50,6 +50,8 @@ class BackwardBiasActivation(FusedOperation):
 
 def _dense_reason(context: FusionContext, ops: list[BasicOperation]) -> str | None:
     linear = ops[0]
+    if context.settings.recipe is not None:
+        return f"recipe {context.settings.recipe.name}: the quantized linear runs unfused"
     if _is_dtensor(linear.weight):
         return "DTensor weight: the tensor-parallel dispatch (tp_linear_forward) runs unfused"
     if context.device.type == "cpu" and context.dtype == torch.float16:

@@ -28,7 +28,9 @@ from ..fuser.rules import FusionContext, register_fusion, window_rule
 from ..kernels import BackendChoice, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.activation import EXPERT_BLOCK_KINDS, ActivationSpec
+from ..kernels.quantized import QuantizedChoice, select_quantized
 from ..kernels.signature_checks import signature_fixes_kernel_args
+from . import grouped_mlp_quantized
 
 SUPPORTED_ACTIVATIONS = EXPERT_BLOCK_KINDS  # read from the activation table
 
@@ -47,8 +49,11 @@ class GroupedMLP(FusedOperation):
         choice: BackendChoice,
         *,
         scale_after_fc2: bool,
+        quantized: QuantizedChoice | None = None,
     ) -> None:
         super().__init__(basic_ops, backend=choice)
+        #: how the GEMMs run under a low-precision recipe (None: unquantized)
+        self.quantized = quantized
         self.fc1: GroupedLinear = basic_ops[0]
         self.activation_op = basic_ops[1]
         self.fc2: GroupedLinear = basic_ops[2]
@@ -73,6 +78,15 @@ class GroupedMLP(FusedOperation):
         out_shape = (*input_.shape[:-1], fc2.out_features)
         # buffers were checked in preflight: only the first rows are taken here
         out2d = buffer_rows(basic_op_kwargs[2].get(OUTPUT_BUFFER_KEY), x.shape[0], fc2.out_features)
+        if self.quantized is not None:
+            save = any([c.requires_grad for c in basic_op_ctxs])
+            weights = (p1["weight"], w1, p2["weight"], w2)
+            y = grouped_mlp_quantized.mlp_forward(
+                self, ctx1, self.quantized, x, weights, b1, b2, scales, splits, out2d, save
+            )
+            if save:
+                self._keep_call_facts(ctx1, splits, input_, dtype, scales_in)
+            return FusedForward(y if y.shape == out_shape else y.view(out_shape), [()] * len(basic_op_ctxs))
         pre, y = kernel_ops.mlp_forward(
             self.choice.backend, x, w1, b1, w2, b2, scales, splits, self.spec,
             scale_after_fc2=self.scale_after_fc2, out=out2d,
@@ -85,13 +99,17 @@ class GroupedMLP(FusedOperation):
                 offsets=splits.offsets,
                 host_sizes=splits.host_sizes,
             )
-            ctx1.host_splits = splits.host
-            ctx1.input_shape = input_.shape
-            ctx1.compute_dtype = dtype
-            ctx1.scales_shape = scales_in.shape
-            ctx1.scales_requires_grad = scales_in.requires_grad
+            self._keep_call_facts(ctx1, splits, input_, dtype, scales_in)
         extra_outputs = [()] * len(basic_op_ctxs)
         return FusedForward(y if y.shape == out_shape else y.view(out_shape), extra_outputs)
+
+    @staticmethod
+    def _keep_call_facts(ctx1: OperationContext, splits, input_, dtype, scales_in) -> None:
+        ctx1.host_splits = splits.host
+        ctx1.input_shape = input_.shape
+        ctx1.compute_dtype = dtype
+        ctx1.scales_shape = scales_in.shape
+        ctx1.scales_requires_grad = scales_in.requires_grad
 
     # ------------------------------------------------------------ backward
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs) -> FusedBackward:
@@ -116,10 +134,15 @@ class GroupedMLP(FusedOperation):
             ctx1.scales_requires_grad,
         )
         out = buffer_rows(ctx1.grad_input_buffer, dy.shape[0], fc1.in_features) if needs[0] else None
-        grad_input, grad_w1, grad_b1, grad_w2, grad_b2, grad_scales = kernel_ops.mlp_backward(
-            self.choice.backend, dy, saved["x"], saved["pre"], w1, w2, b2, saved["scales"], splits, self.spec,
-            scale_after_fc2=self.scale_after_fc2, needs=needs, grad_input_out=out,
-        )  # fmt: skip
+        if self.quantized is not None:
+            weights = (p1["weight"], w1, p2["weight"], w2)
+            grads = grouped_mlp_quantized.mlp_backward(self, ctx1, self.quantized, dy, weights, needs, out)
+        else:
+            grads = kernel_ops.mlp_backward(
+                self.choice.backend, dy, saved["x"], saved["pre"], w1, w2, b2, saved["scales"], splits, self.spec,
+                scale_after_fc2=self.scale_after_fc2, needs=needs, grad_input_out=out,
+            )  # fmt: skip
+        grad_input, grad_w1, grad_b1, grad_w2, grad_b2, grad_scales = grads
         if grad_input is not None and grad_input.shape != ctx1.input_shape:
             grad_input = grad_input.view(ctx1.input_shape)
         if grad_scales is not None and grad_scales.shape != ctx1.scales_shape:
@@ -214,8 +237,23 @@ def _build(scale_after_fc2: bool):
         choice = select_backend(
             context.device, context.dtype, purpose="mlp", forced=context.settings.backend, features=features
         )
-        fused = GroupedMLP(ops, choice, scale_after_fc2=scale_after_fc2)
-        fused.note = "; ".join(_plan_notes(context, choice, ops[1].spec, first, scale_after_fc2))
+        quantized = None
+        if context.settings.recipe is not None:
+            quantized = select_quantized(
+                context.settings.recipe, context.device, context.dtype, grouped=True,
+                forced_backend=context.settings.backend, engine=context.settings.recipe_backend,
+                features=features,
+            )  # fmt: skip
+        fused = GroupedMLP(ops, choice, scale_after_fc2=scale_after_fc2, quantized=quantized)
+        notes = _plan_notes(context, choice, ops[1].spec, first, scale_after_fc2)
+        if quantized is not None:
+            fc2_input = "activation output" if scale_after_fc2 else "probability-scaled activation output"
+            notes = [quantized.explain(), f"fc2's input (the {fc2_input}) quantized once"]
+            if scale_after_fc2:
+                notes.append("fc2's output is saved for the scales' gradient (as unfused Scale saves it)")
+            if context.has_kwarg(first + 2, OUTPUT_BUFFER_KEY):
+                notes.append("fc2's fp32 result is cast into the caller's output buffer")
+        fused.note = "; ".join(notes)
         return fused
 
     return build

@@ -130,6 +130,7 @@ def compiled_call(
         THREAD_SETTINGS.facts_key,
         registries,
         tuple([(op.training, op.compile_facts()) for op in ops]),
+        fuser.recipe,
     )
     _allow_fuser_in_graph()
     return fuser_in_graph(key, facts, param_layout, len(extra_inputs), input_, *extra_inputs, *params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -61,9 +62,12 @@ class OperationFuser(HookedSegments):
         honour_hooks: bool = True,
         first_index: int | None = None,
         keep_signatures: bool = True,
+        recipe: Any = None,
     ) -> None:
         load_builtin_rules()
         self.ops = list(ops)
+        #: the owning module's low-precision recipe (None: the ``fusible_ops.quantized`` context's)
+        self.recipe = recipe
         #: False for a fuser made for one call (an op's own ``forward``): keying the call
         #: by its signature would cost time and save none
         self.keep_signatures = keep_signatures
@@ -205,6 +209,8 @@ class OperationFuser(HookedSegments):
         """The :class:`FusionPlan` (forward and backward op lists, every decision) of a call with
         this input meta and, per op, these extra inputs, kwargs, grad flags and tensors."""
         settings = current_settings()
+        if self.recipe is not None and settings.recipe is not self.recipe:
+            settings = dataclasses.replace(settings, recipe=self.recipe)  # the module's recipe wins
         if params is None:
             params = self._params()
         classes, kinds = classify_extra_inputs(extra_inputs)
@@ -249,8 +255,13 @@ class OperationFuser(HookedSegments):
 
     def _make_plan(self, context: FusionContext) -> FusionPlan:
         base = []
+        recipe = context.settings.recipe
         for i, op in enumerate(self.ops):
-            base.append(PlanEntry(op, (i,), op.plan_backend(context.device, context.dtype)))
+            if recipe is not None and hasattr(op, "plan_quantized"):
+                choice = op.plan_quantized(context.device, context.dtype, context.settings)
+            else:
+                choice = op.plan_backend(context.device, context.dtype)
+            base.append(PlanEntry(op, (i,), choice))
         forward = backward = base
         if context.settings.fusion:
             context.kind = "joint"
@@ -274,6 +285,7 @@ class OperationFuser(HookedSegments):
             device=context.device,
             requires_grad=context.requires_grad,
             first_index=self.first_index or 0,
+            recipe=recipe,
         )
 
     # ------------------------------------------------------------ running

@@ -78,6 +78,22 @@ class FusionPlan:
     requires_grad: bool = False
     #: position of the group's first op in its Sequential
     first_index: int = 0
+    #: the low-precision recipe the group runs under (None: unquantized)
+    recipe: object = None
+
+    def quantized_gemms(self) -> list[str]:
+        """One line per forward entry that runs quantized GEMMs: the op, the recipe, which
+        GEMMs are quantized and which engine runs them (and why others could not)."""
+        lines = []
+        for entry in self.forward:
+            choice = (
+                entry.backend
+                if isinstance(entry.op, BasicOperation)
+                else getattr(entry.op, "quantized", None)
+            )
+            if choice is not None and hasattr(choice, "recipe"):
+                lines.append(f"{entry.describe(self.op_names, self.first_index)}: {choice.explain()}")
+        return lines
 
     @property
     def fired(self) -> list[FusionDecision]:
@@ -111,6 +127,9 @@ class FusionPlan:
             )
         else:
             lines.append("  backward: (not needed: nothing requires grad)")
+        if self.recipe is not None:
+            lines.append(f"  recipe: {self.recipe!r}")
+            lines.extend("    " + line for line in self.quantized_gemms())
         for decision in self.decisions:
             lines.append("  " + str(decision))
         return "\n".join(lines)

@@ -10,6 +10,8 @@ import torch
 
 from ..core.buffers import call_buffers, check_call_buffers
 from ..core.op import BasicOperation, TensorMeta
+from ..recipes.context import check_recipe
+from ..recipes.recipes import Recipe
 from .compiled import compiled_call
 from .operation_fuser import OperationFuser
 from .plan import FusionPlan, SequentialPlan
@@ -35,10 +37,23 @@ class Sequential(torch.nn.Module):
     #: expert-parallel ``fo.MoE`` (set by the MoE; read by :mod:`fusible_ops.checkpoint`)
     expert_placement: ExpertPlacement | None = None
 
-    def __init__(self, *modules: torch.nn.Module) -> None:
+    def __init__(self, *modules: torch.nn.Module, recipe: Recipe | None = None) -> None:
         super().__init__()
+        self.__dict__["_recipe"] = check_recipe("Sequential", recipe)
         for module in modules:
             self.append(module)
+
+    @property
+    def recipe(self) -> Recipe | None:
+        """The low-precision recipe of this Sequential's ops (None: the ``fusible_ops.quantized``
+        context's); it wins over the context. Setting it re-plans the next call."""
+        return self.__dict__.get("_recipe")
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe | None) -> None:
+        self.__dict__["_recipe"] = check_recipe("Sequential", recipe)
+        self.__dict__["_groups"] = self.__dict__["_route"] = None
+        self._get_groups()
 
     # ------------------------------------------------------------ container protocol
     def _module_list(self) -> list[torch.nn.Module]:
@@ -111,7 +126,7 @@ class Sequential(torch.nn.Module):
     def __getitem__(self, index: int | slice) -> torch.nn.Module | Sequential:
         modules = self._module_list()
         if isinstance(index, slice):
-            return Sequential(*modules[index])
+            return Sequential(*modules[index], recipe=self.recipe)
         return modules[self._normalize_index(index)]
 
     def __setitem__(self, index: int, module: torch.nn.Module) -> None:
@@ -156,11 +171,11 @@ class Sequential(torch.nn.Module):
                 run.append(i)
                 continue
             if run:
-                groups.append((run, OperationFuser([modules[j] for j in run], first_index=run[0])))
+                groups.append((run, self._fuser([modules[j] for j in run], run[0])))
                 run = []
             groups.append(([i], None))
         if run:
-            groups.append((run, OperationFuser([modules[j] for j in run], first_index=run[0])))
+            groups.append((run, self._fuser([modules[j] for j in run], run[0])))
         if not torch.compiler.is_compiling():
             # traced: no side effect, which Dynamo would replay (a new fuser) on every call
             ids = tuple([id(module) for module in modules])
@@ -169,6 +184,9 @@ class Sequential(torch.nn.Module):
             single = groups[0][1] if len(groups) == 1 else None
             self.__dict__["_route"] = None if single is None else (ids, single)
         return groups
+
+    def _fuser(self, ops: list[BasicOperation], first_index: int) -> OperationFuser:
+        return OperationFuser(ops, first_index=first_index, recipe=self.recipe)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -366,4 +384,4 @@ class Sequential(torch.nn.Module):
         return SequentialPlan(plans)
 
     def extra_repr(self) -> str:
-        return ""
+        return "" if self.recipe is None else f"recipe={self.recipe!r}"

@@ -16,6 +16,8 @@ from ..basic.scaled_activations import ScaledClampedSwiGLU, ScaledGEGLU, ScaledS
 from ..core.dtypes import compute_dtype
 from ..fuser.sequential import Sequential
 from ..kernels.activation import ACTIVATIONS, EXPERT_BLOCK_KINDS
+from ..recipes.context import check_recipe
+from ..recipes.recipes import Recipe
 from . import balance
 from .router import RoutingConfig, route
 from .routing import ExpertPlacement, permute, unpermute
@@ -106,8 +108,10 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
         ep_group: object | None = None,
         ep_mesh: object | None = None,
+        recipe: Recipe | None = None,
     ) -> None:
         super().__init__()
+        check_recipe("MoE", recipe)
         for name, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"MoE: {name} must be a positive int, got {value!r}")
@@ -166,6 +170,7 @@ class MoE(nn.Module):
             _make_activation(act_class, self.activation_kwargs),
             GroupedLinear(num_local_experts, ffn_hidden_size, hidden_size, bias=bias, **factory),
             *([Scale()] if scale_after_fc2 else []),
+            recipe=recipe,
         )
         # so that checkpoint helpers given only the experts Sequential map the right experts
         self.experts.expert_placement = ExpertPlacement(
@@ -189,6 +194,7 @@ class MoE(nn.Module):
                 BasicLinear(hidden_size, kinds.fc1_factor * s, **factory),
                 _make_activation(kinds.unscaled, self.activation_kwargs),
                 BasicLinear(s, hidden_size, **factory),
+                recipe=recipe,
             )
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **factory)

@@ -1,0 +1,57 @@
+"""Quantized copies of weights, cached per parameter while the parameter is unchanged.
+
+A copy is keyed on the parameter tensor (by identity, held weakly), its version counter
+and its data pointer, plus the recipe, the contraction direction and the compute dtype.
+An optimizer step or ``load_state_dict`` (in-place writes bump the version), ``p.data =``
+(a new data pointer) or a parameter swap (another tensor) makes the next call quantize
+afresh: a stale copy is never used. Micro-batches between two optimizer steps reuse it.
+While tracing (``torch.compile``) or under a dispatch mode the copy is made in the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .quantize import QuantizedOperand, quantize_weight
+from .recipes import Recipe
+
+_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: cache lookups since the last :func:`clear_weight_cache`: ``{"hits": n, "misses": n}``
+STATS = {"hits": 0, "misses": 0}
+
+
+def _cacheable() -> bool:
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+
+
+def quantized_weight(
+    param: torch.Tensor, weight: torch.Tensor, recipe: Recipe, along: str
+) -> QuantizedOperand:
+    """``weight`` (``[G, N, K]`` or ``[N, K]``, computed from ``param`` by views and casts)
+    quantized for contraction ``along`` its columns or rows, from the cache when
+    ``param`` has not changed since the copy was made."""
+    if not _cacheable():
+        return quantize_weight(weight, recipe, along)
+    key = (recipe, along, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
+    state = (param._version, param.data_ptr(), param.storage_offset())
+    entries = _CACHE.get(param)
+    if entries is not None:
+        found = entries.get(key)
+        if found is not None and found[0] == state:
+            STATS["hits"] += 1
+            return found[1]
+    else:
+        entries = {}
+        _CACHE[param] = entries
+    STATS["misses"] += 1
+    with torch.no_grad():
+        operand = quantize_weight(weight.detach(), recipe, along)
+    entries[key] = (state, operand)
+    return operand
+
+
+def clear_weight_cache() -> None:
+    """Drop every cached copy and reset :data:`STATS`."""
+    _CACHE.clear()
+    STATS["hits"] = STATS["misses"] = 0

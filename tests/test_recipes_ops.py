@@ -1,0 +1,207 @@
+"""GroupedLinear, BasicLinear and the fused GroupedMLP under every recipe, forward and
+backward, against the float64 emulation of tests/recipe_reference.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusible_ops as fo
+from tests import recipe_reference as ref
+
+R = fo.recipes
+GROUPS = [5, 0, 43, 21]  # a zero-row group; sizes not multiples of 32
+ACCEPTANCE = [
+    R.MXFP8(),
+    R.MXFP8(scale_rounding="floor"),
+    R.Float8Rowwise(),
+    R.Float8Tensorwise(),
+    R.Float8Blockwise(),
+]
+OTHERS = [
+    R.Float8Tensorwise(fp8_format="e4m3", pow2_scales=True),
+    R.Float8Blockwise(pow2_scales=True),
+    R.MXFP8(wgrad_high_precision=True),
+    R.Float8Rowwise(wgrad_high_precision=True),
+]
+OUT_TOL, GRAD_TOL = 2e-3, 5e-3
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.detach()
+    return float((actual.detach().double() - expected).norm() / expected.norm())
+
+
+def check(actual, expected, unquantized, tol):
+    """Within ``tol`` of the quantized emulation, and visibly not the unquantized result."""
+    assert rel(actual, expected) <= tol, rel(actual, expected)
+    assert rel(unquantized, expected) > 3 * tol, "quantization made no visible difference"
+
+
+def _backward(seq, args, dy):
+    out = seq(*args)
+    out.backward(dy)
+    return out
+
+
+def _grads(tensors):
+    grads = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return grads
+
+
+LINEAR_CASES = [(r, "out_in") for r in ACCEPTANCE + OTHERS] + [
+    (r, "in_out") for r in (R.MXFP8(), R.Float8Rowwise(), R.Float8Tensorwise())
+]
+
+
+@pytest.mark.parametrize("recipe, layout", LINEAR_CASES, ids=str)
+def test_grouped_linear(recipe, layout):
+    fc = fo.GroupedLinear(4, 80, 72, bias=True, weight_layout=layout)
+    seq = fo.Sequential(fc)
+    m = sum(GROUPS)
+    x = torch.randn(m, 80, requires_grad=True)
+    dy = torch.randn(m, 72)
+    splits = torch.tensor(GROUPS)
+    params = [x, fc.weight, fc.bias]
+    y0 = _backward(seq, (x, splits), dy)
+    g0 = _grads(params)
+    with fo.quantized(recipe):
+        y = _backward(seq, (x, splits), dy)
+    g = _grads(params)
+    w = fc.weight_out_in().detach()
+    y_ref, dx_ref, dw_ref, db_ref = ref.grouped_gemms(
+        x.detach(), dy, w, fc.bias.detach(), GROUPS, recipe, torch.float32
+    )
+    check(y, y_ref, y0, OUT_TOL)
+    check(g[0], dx_ref, g0[0], GRAD_TOL)
+    dw = fc.weight_out_in(g[1])
+    if recipe.wgrad_high_precision:
+        assert rel(dw, dw_ref) <= 1e-6
+    else:
+        check(dw, dw_ref, fc.weight_out_in(g0[1]), GRAD_TOL)
+    assert rel(g[2], db_ref) <= 1e-6  # the bias gradient is not a GEMM
+    assert y.dtype == x.dtype and g[1].dtype == fc.weight.dtype
+
+
+@pytest.mark.parametrize("recipe", ACCEPTANCE, ids=repr)
+def test_basic_linear(recipe):
+    lin = fo.BasicLinear(96, 40)
+    seq = fo.Sequential(lin)
+    x = torch.randn(2, 19, 96, requires_grad=True)
+    dy = torch.randn(2, 19, 40)
+    y0 = _backward(seq, (x,), dy)
+    g0 = _grads([x, lin.weight])
+    with fo.quantized(recipe):
+        y = _backward(seq, (x,), dy)
+    g = _grads([x, lin.weight])
+    y_ref, dx_ref, dw_ref, _ = ref.grouped_gemms(
+        x.detach().reshape(38, 96),
+        dy.reshape(38, 40),
+        lin.weight.detach().unsqueeze(0),
+        None,
+        [38],
+        recipe,
+        torch.float32,
+    )
+    check(y.reshape(38, 40), y_ref, y0.reshape(38, 40), OUT_TOL)
+    check(g[0].reshape(38, 96), dx_ref, g0[0].reshape(38, 96), GRAD_TOL)
+    check(g[1], dw_ref[0], g0[1], GRAD_TOL)
+
+
+ACTIVATIONS = {
+    "swiglu": (fo.ScaledSwiGLU, fo.SwiGLU, True),
+    "geglu": (fo.ScaledGEGLU, fo.GEGLU, True),
+    "clamped_swiglu": (fo.ScaledClampedSwiGLU, fo.ClampedSwiGLU, True),
+    "srelu": (fo.ScaledSReLU, fo.SReLU, False),
+}
+
+
+def expert_block(kind: str, scale_after: bool, layout: str = "out_in", bias: bool = True):
+    scaled, unscaled, gated = ACTIVATIONS[kind]
+    ffn = 48
+    ops = [
+        fo.GroupedLinear(4, 64, 2 * ffn if gated else ffn, bias=bias, weight_layout=layout),
+        unscaled() if scale_after else scaled(),
+        fo.GroupedLinear(4, ffn, 64, bias=bias, weight_layout=layout),
+    ]
+    if scale_after:
+        ops.append(fo.Scale())
+    return fo.Sequential(*ops)
+
+
+def run_block(seq, recipe, x, probs, splits, dy, op_kwargs=None):
+    scale_after = len(seq) == 4
+    args = (x, splits, splits, probs) if scale_after else (x, splits, probs, splits)
+    with fo.quantized(recipe):
+        y = seq(*args, op_kwargs=op_kwargs)
+        y.backward(dy)
+        plan = seq.last_plan
+    return y, plan
+
+
+BLOCK_CASES = (
+    [(r, "swiglu", False, "out_in") for r in ACCEPTANCE]
+    + [(R.MXFP8(), kind, False, "out_in") for kind in ("geglu", "clamped_swiglu", "srelu")]
+    + [(r, "swiglu", True, "out_in") for r in (R.MXFP8(), R.Float8Rowwise())]
+    + [(R.Float8Tensorwise(), "srelu", True, "out_in")]
+    + [(r, "swiglu", False, "in_out") for r in (R.MXFP8(scale_rounding="floor"), R.Float8Rowwise())]
+    + [(R.Float8Blockwise(wgrad_high_precision=True), "geglu", False, "out_in")]
+)
+
+
+@pytest.mark.parametrize("recipe, kind, scale_after, layout", BLOCK_CASES, ids=str)
+def test_fused_block(recipe, kind, scale_after, layout):
+    seq = expert_block(kind, scale_after, layout)
+    fc1, act, fc2 = seq[0], seq[1], seq[2]
+    m = sum(GROUPS)
+    x = torch.randn(m, 64, requires_grad=True)
+    probs = torch.rand(m, requires_grad=True)
+    dy = torch.randn(m, 64)
+    splits = torch.tensor(GROUPS)
+    leaves = [x, probs, fc1.weight, fc1.bias, fc2.weight, fc2.bias]
+    y0, _ = run_block(seq, None, x, probs, splits, dy)
+    g0 = _grads(leaves)
+    y, plan = run_block(seq, recipe, x, probs, splits, dy)
+    g = _grads(leaves)
+    assert plan.fusion_plans[0].forward_op_types() == ["GroupedMLP"]
+    assert repr(recipe) in str(plan) and "quantized once" in str(plan)
+    spec = act.spec
+    expected = ref.mlp(
+        x.detach(), fc1.weight_out_in().detach(), fc1.bias.detach(), fc2.weight_out_in().detach(),
+        fc2.bias.detach(), probs.detach(), dy, GROUPS, recipe, kind, torch.float32, scale_after=scale_after,
+    )  # fmt: skip
+    if kind == "clamped_swiglu":
+        assert spec.limit == 7.0 and spec.alpha == 1.702 and spec.glu_linear_offset == 1.0
+    y_ref, dx_ref, dw1_ref, db1_ref, dw2_ref, db2_ref, dp_ref = expected
+    check(y, y_ref, y0, OUT_TOL)
+    check(g[0], dx_ref, g0[0], GRAD_TOL)
+    check(g[1], dp_ref, g0[1], GRAD_TOL)
+    for index, want in ((2, dw1_ref), (4, dw2_ref)):
+        fc = fc1 if index == 2 else fc2
+        got, unq = fc.weight_out_in(g[index]), fc.weight_out_in(g0[index])
+        if recipe.wgrad_high_precision:
+            assert rel(got, want) <= 1e-5
+        else:
+            check(got, want, unq, GRAD_TOL)
+    assert rel(g[3], db1_ref) <= GRAD_TOL and rel(g[5], db2_ref) <= GRAD_TOL
+
+
+@pytest.mark.parametrize("recipe", [R.MXFP8(), R.Float8Tensorwise()], ids=repr)
+def test_fused_equals_unfused(recipe):
+    seq = expert_block("swiglu", False)
+    m = sum(GROUPS)
+    x = torch.randn(m, 64, requires_grad=True)
+    probs = torch.rand(m, requires_grad=True)
+    dy = torch.randn(m, 64)
+    splits = torch.tensor(GROUPS)
+    y, _ = run_block(seq, recipe, x, probs, splits, dy)
+    g = _grads([x, probs, seq[0].weight, seq[2].weight])
+    with fo.settings(fusion=False):
+        y2, plan = run_block(seq, recipe, x, probs, splits, dy)
+    g2 = _grads([x, probs, seq[0].weight, seq[2].weight])
+    assert "GroupedMLP" not in plan.fusion_plans[0].forward_op_types()
+    assert rel(y, y2.double()) <= 1e-6
+    for a, b in zip(g, g2):
+        assert rel(a, b.double()) <= 1e-6
