@@ -69,6 +69,15 @@ _STATE = _SettingsStack()
 _backend_names: Callable[[], list[str]] = list
 
 
+# the recipes package (a higher layer) installs its base class and engine names
+_recipe_types: list = [(), ("auto",)]
+
+
+def set_recipe_types(recipe_base: type, recipe_backends: tuple[str, ...]) -> None:
+    """Install the recipe base class and the recipe engine names (the recipes package's)."""
+    _recipe_types[:] = [recipe_base, recipe_backends]
+
+
 def set_backend_names_provider(provider: Callable[[], list[str]]) -> None:
     """Install the function that lists the registered backend names (the kernel registry's)."""
     global _backend_names
@@ -97,9 +106,7 @@ def settings(**changes: object) -> Iterator[Settings]:
         raise TypeError(f"fusible_ops.settings got unknown setting(s) {unknown}; known: {sorted(known)}")
     for name, value in changes.items():
         if name == "recipe":
-            from ..recipes.recipes import Recipe
-
-            if value is not None and not isinstance(value, Recipe):
+            if value is not None and not isinstance(value, _recipe_types[0]):
                 raise TypeError(
                     f"fusible_ops.settings: recipe must be a fusible_ops.recipes recipe or None, got {value!r}"
                 )
@@ -111,8 +118,7 @@ def settings(**changes: object) -> Iterator[Settings]:
                 f"({type(value).__name__})"
             )
     if "recipe_backend" in changes:
-        from ..recipes.recipes import RECIPE_BACKENDS
-
+        RECIPE_BACKENDS = _recipe_types[1]
         if changes["recipe_backend"] not in RECIPE_BACKENDS:
             raise ValueError(
                 f"fusible_ops.settings: unknown recipe_backend {changes['recipe_backend']!r}; choose one of {RECIPE_BACKENDS}"

@@ -18,6 +18,9 @@ from ..kernels.signature_checks import SignatureChecks, plan_takes_part
 from .compiled import compiled_call, register_fuser
 from .function import CallState, FuserFunction, count_slices, dedupe_args, run_without_grad
 from .hooks import HookedSegments, decision_in_sequential
+from .op_errors import check_dense as _check_dense
+from .op_errors import is_dtensor as _is_dtensor
+from .op_errors import located_error
 from .plan import FusionPlan, PlanEntry
 from .rules import (
     FusionContext,
@@ -31,20 +34,6 @@ from .signature import BoundedCache, PreparedCall, autocast_state, call_signatur
 
 # a name, not a ``torch.`` lookup, in the traced code (one guard, not one per attribute)
 is_compiling = torch.compiler.is_compiling
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    return type(tensor).__name__ == "DTensor"
-
-
-def _check_dense(op_name: str, what: str, tensor: torch.Tensor) -> None:
-    """Sparse and meta tensors have no dense data for the kernels: a clear error, not a raw one."""
-    if tensor.layout != torch.strided:
-        raise ValueError(
-            f"{op_name}: {what} has layout {tensor.layout}; only dense (strided) tensors are supported"
-        )
-    if tensor.is_meta:
-        raise ValueError(f"{op_name}: {what} is a meta tensor (shape only, no data); the op needs real data")
 
 
 class OperationFuser(HookedSegments):
@@ -116,27 +105,8 @@ class OperationFuser(HookedSegments):
         return f"op {(self.first_index or 0) + index} ({self.ops[index].op_name()})"
 
     def _located(self, error: Exception, index: int, meta: TensorMeta) -> Exception:
-        """``error`` from ``ops[index]``'s checks, with where the op sits and, for a width
-        mismatch after a gated activation, what the width should have been."""
-        if type(error) not in (ValueError, TypeError):
-            return error
-        notes = []
-        if self.first_index is not None:
-            notes.append(f"op {self.first_index + index} of the Sequential")
-        previous = self.ops[index - 1] if index else None
-        spec = getattr(previous, "spec", None)
-        in_features = getattr(self.ops[index], "in_features", None)
-        if (
-            spec is not None
-            and getattr(spec, "gated", False)
-            and meta.shape
-            and in_features == 2 * meta.shape[-1]
-        ):
-            notes.append(
-                f"{self.label(index - 1)} is a gated activation and halves the width, so the op "
-                f"before it must produce {2 * in_features} columns, not {in_features}"
-            )
-        return type(error)(f"{error} ({'; '.join(notes)})") if notes else error
+        """``error`` from ``ops[index]``'s checks, with where the op sits (see :func:`located_error`)."""
+        return located_error(self, error, index, meta)
 
     def _preflight_ops(
         self,

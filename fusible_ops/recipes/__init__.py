@@ -8,6 +8,7 @@ May import: torch, :mod:`fusible_ops.settings`. The kernels consume what this pa
 makes; ops ask it for quantized operands.
 """
 
+from ..core.settings import set_recipe_types
 from .context import current_recipe, quantized
 from .formats import E4M3, E5M2, Fp8Format
 from .quantize import QuantizedOperand, quantize_rows, quantize_weight
@@ -15,6 +16,7 @@ from .recipes import (
     ALONG_COLUMNS,
     ALONG_ROWS,
     MXFP8,
+    RECIPE_BACKENDS,
     RECIPES_BY_NAME,
     Float8Blockwise,
     Float8Rowwise,
@@ -22,6 +24,8 @@ from .recipes import (
     Recipe,
 )
 from .weight_cache import clear_weight_cache, quantized_weight
+
+set_recipe_types(Recipe, RECIPE_BACKENDS)  # fusible_ops.settings(recipe=...) checks against these
 
 __all__ = [
     "ALONG_COLUMNS",
