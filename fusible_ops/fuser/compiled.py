@@ -84,7 +84,34 @@ def fuser_in_graph(
     fuser = _FUSERS[key]
     params = iter(tensors[num_extra:])
     param_dicts = [{name: next(params) if present else None for name, present in op} for op in param_layout]
-    return fuser(input_, *tensors[:num_extra], param_dicts=param_dicts)
+    with _ops_holding(fuser.ops, param_dicts):
+        return fuser(input_, *tensors[:num_extra], param_dicts=param_dicts)
+
+
+class _ops_holding:  # noqa: N801 (a context manager, named for the with statement)
+    """Each op's registered parameters replaced by this call's tensors while it runs.
+
+    Dynamo runs :func:`fuser_in_graph` outside the caller's reparametrization (a traced
+    ``functional_call`` swaps nothing for real), so the ops' checks, which read their
+    attributes, would otherwise see the module's own parameters instead of the tensors
+    computed with (bf16 weights passed to an fp32 module).
+    """
+
+    def __init__(self, ops: Sequence[BasicOperation], param_dicts: list[dict[str, Any]]) -> None:
+        self.swaps = [
+            (op._parameters, name, op._parameters[name], tensor)
+            for op, params in zip(ops, param_dicts)
+            for name, tensor in params.items()
+            if name in op._parameters and name not in op.__dict__ and op._parameters[name] is not tensor
+        ]
+
+    def __enter__(self) -> None:
+        for registered, name, _, tensor in self.swaps:
+            registered[name] = tensor
+
+    def __exit__(self, *exc: object) -> None:
+        for registered, name, original, _ in self.swaps:
+            registered[name] = original
 
 
 def _allow_fuser_in_graph() -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from ..core.buffers import GRAD_BUFFER_WRITES, GRAD_INPUT_BUFFER_KEY, tensors_overlap
 from ..core.contract import check_backward_result, check_forward_result
-from ..core.op import BasicOperation, OperationContext
+from ..core.op import NO_ENTRIES, BasicOperation, OperationContext
 from ..kernels.signature_checks import SignatureChecks, run_with_arguments_checked
 from .plan import FusionPlan
 
@@ -302,8 +302,11 @@ class FuserFunction(torch.autograd.Function):
             for ctx in ctxs:
                 named = ctx.to_save_named
                 to_save.extend(ctx.to_save)
-                to_save.extend(named.values())
-                layout.append((len(ctx.to_save), tuple(named)))
+                # the shared empty default is a mappingproxy, which Dynamo cannot read once
+                # the traced code has mutated any dict
+                names = () if named is NO_ENTRIES else tuple(named)
+                to_save.extend(named[name] for name in names)
+                layout.append((len(ctx.to_save), names))
                 ctx.to_save, ctx.to_save_named, ctx.params = (), {}, {}
             func_ctx.save_for_backward(*to_save)
             func_ctx.layout = layout

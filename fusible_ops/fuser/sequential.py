@@ -193,6 +193,13 @@ class Sequential(torch.nn.Module):
         state["_groups"] = state["_route"] = None
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # a copy (copy.deepcopy, pickle) gets its own fusers now: its first compiled call
+        # then takes the one-node fast path, as the original's does after an eager call
+        if state.get("_groups") is None and "_modules" in state:
+            self._get_groups()
+
     # ------------------------------------------------------------ op_kwargs
     def _resolve_op_kwargs(self, op_kwargs: Mapping[Any, Any] | None) -> dict[int, dict[str, Any]]:
         if op_kwargs is None:

@@ -51,7 +51,7 @@ def aux_loss(
     num_experts = scores.shape[-1]
     counts = global_sum(load.to(scores.dtype), group)
     score_sums = global_sum(scores.sum(0), group)
-    tokens = global_sum(scores.new_tensor(float(scores.shape[0])), group).clamp_min(1.0)
+    tokens = global_sum(_count(scores, scores.shape[0]), group).clamp_min(1.0)
     return num_experts / top_k * (counts / tokens * score_sums / tokens).sum()
 
 
@@ -70,7 +70,7 @@ def seq_aux_loss(
     f = counts[:, :num_experts] * (num_experts / (top_k * max(seq, 1)))
     per_seq = (f * scores.mean(1)).sum(-1) if seq else scores.new_zeros(batch)
     total = global_sum(per_seq.sum(), group)
-    count = global_sum(scores.new_tensor(float(batch)), group).clamp_min(1.0)
+    count = global_sum(_count(scores, batch), group).clamp_min(1.0)
     return total / count
 
 
@@ -78,8 +78,14 @@ def z_loss(logits: torch.Tensor, group: object | None = None) -> torch.Tensor:
     """ST-MoE router z-loss: the mean over tokens of ``logsumexp(logits) ** 2``."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     total = global_sum((torch.logsumexp(logits, dim=-1) ** 2).sum(), group)
-    count = global_sum(logits.new_tensor(float(logits.shape[0])), group).clamp_min(1.0)
+    count = global_sum(_count(logits, logits.shape[0]), group).clamp_min(1.0)
     return total / count
+
+
+def _count(like: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` (a size, symbolic while tracing) as a 0-d tensor of ``like``'s dtype and device;
+    ``float(n)`` would pin a dynamic size to its traced value."""
+    return torch.full((), n, dtype=like.dtype, device=like.device)
 
 
 def capacity_dropped(expert_ids: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
@@ -94,6 +100,24 @@ def capacity_dropped(expert_ids: torch.Tensor, num_experts: int, capacity_factor
     one_hot = torch.nn.functional.one_hot(slot_major, num_experts)
     position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # rank of the row within its expert
     return (position >= capacity).reshape(top_k, tokens).t()
+
+
+def attach_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """:class:`AttachLoss` applied, refused while ``torch.export`` traces.
+
+    An exported program keeps only the forward of an autograd Function, so the loss's
+    gradient would be lost without a word.
+
+    Raises:
+        RuntimeError: under ``torch.export``.
+    """
+    if torch.compiler.is_exporting():
+        raise RuntimeError(
+            "MoE: torch.export cannot keep the balancing loss in backward (an exported program "
+            "keeps only the forward of the autograd Function that attaches it): export in eval "
+            "mode (moe.eval()), or build the layer with aux_loss_in_backward=False"
+        )
+    return AttachLoss.apply(output, loss)
 
 
 class AttachLoss(torch.autograd.Function):

@@ -177,6 +177,8 @@ class ExpertParallel:
             )
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
+        #: an empty leaf that requires grad, made here because a traced region cannot make one
+        self.grad_anchor = torch.zeros(0, requires_grad=True)
 
     @property
     def local_expert_range(self) -> range:
@@ -203,7 +205,13 @@ class ExpertParallel:
         ``[M]``, and the state for :meth:`combine`. One host sync (the counts).
         Dropped rows (ids ``>= num_experts``, ``dropped``; see :func:`~fusible_ops.moe.permute`)
         travel like the others and add nothing in :meth:`combine`.
+        While ``torch.compile`` traces, the functional-collective path of
+        :mod:`.ep_functional` runs instead (its state holds device split sizes).
         """
+        if torch.compiler.is_compiling():
+            from .ep_functional import dispatch_functional
+
+            return dispatch_functional(self, tokens, expert_ids, probs, dropped=dropped)
         perm = permute(
             tokens,
             expert_ids,
@@ -247,6 +255,12 @@ class ExpertParallel:
         Routing weights are assumed applied by the experts (the scaled activations).
         ``out`` receives the result as in :func:`fusible_ops.moe.unpermute`.
         """
+        if not isinstance(state, DispatchState):
+            from .ep_functional import combine_functional
+
+            if out is not None:
+                raise ValueError("ExpertParallel.combine: out= is not supported while tracing")
+            return combine_functional(self, expert_out, state)
         if expert_out.dim() != 2 or expert_out.shape[0] != state.num_local_rows:
             raise ValueError(
                 f"ExpertParallel.combine: expert_out must be [{state.num_local_rows}, hidden] "

@@ -131,6 +131,11 @@ class MoE(nn.Module):
             if ep_group is not None:
                 raise ValueError("MoE: give ep_group or ep_mesh, not both")
             ep_group = _ep_group_of(ep_mesh, num_experts, device)
+        elif hasattr(ep_group, "get_group"):
+            raise ValueError(
+                "MoE: ep_group must be a torch.distributed process group; for a DeviceMesh "
+                "(e.g. world_mesh['ep']) pass ep_mesh= instead, which also makes the experts DTensors"
+            )
         self.ep_mesh = ep_mesh
         self.expert_parallel = None
         num_local_experts = num_experts
@@ -178,6 +183,10 @@ class MoE(nn.Module):
         )
         if ep_mesh is not None:
             _shard_experts(self.experts, ep_mesh)
+        elif ep_group is not None:
+            from .ep_checkpoint import refuse_distributed_checkpoint
+
+            refuse_distributed_checkpoint(self.experts)
         if score_correction_bias or load_balancing == "aux_free":
             self.register_buffer("score_correction_bias", torch.zeros(num_experts, device=device))
             # counted over forwards in training, consumed by update_score_correction_bias()
@@ -274,6 +283,9 @@ class MoE(nn.Module):
 
         ep = self.expert_parallel
         rows, row_probs, state = ep.dispatch(tokens, expert_ids, weights, dropped=dropped)
+        if torch.compiler.is_compiling():  # functional collectives: no caller buffer
+            y = self.experts(*self._expert_args(rows, state.local_split_sizes, row_probs))
+            return ep.combine(y, state)
         splits = state.local_split_sizes
         op_kwargs = None
         if not self.scale_after_fc2:
@@ -319,7 +331,7 @@ class MoE(nn.Module):
         if self.aux_loss_in_backward and scaled and torch.is_grad_enabled():
             total = sum(scaled[1:], scaled[0])
             if total.requires_grad:
-                weights = balance.AttachLoss.apply(weights, total)
+                weights = balance.attach_loss(weights, total)
         return weights
 
     @torch.no_grad()
@@ -438,8 +450,8 @@ def _make_activation(cls: type, kwargs: dict) -> nn.Module:
 def _sequences(input_shape: torch.Size) -> tuple[int, int]:
     """``(sequences, tokens per sequence)`` of an input ``[..., S, H]`` (a 2-D input is one sequence)."""
     if len(input_shape) < 3:
-        return 1, int(torch.Size(input_shape[:-1]).numel())
-    return int(torch.Size(input_shape[:-2]).numel()), input_shape[-2]
+        return 1, torch.Size(input_shape[:-1]).numel()
+    return torch.Size(input_shape[:-2]).numel(), input_shape[-2]
 
 
 def _check_balancing(mode: str, aux_coeff: float, z_coeff: float, rate: float) -> None:
