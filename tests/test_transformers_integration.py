@@ -16,53 +16,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 fot = pytest.importorskip("fusible_ops.integrations.transformers")
 
-COMMON = dict(
-    vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
+from hf_tiny_models import FAMILIES, experts_modules, tiny_model  # noqa: E402
 
-
-def _configs() -> dict:
-    t = transformers
-    return {
-        "mixtral": t.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
-        "qwen3_moe": t.Qwen3MoeConfig(
-            **COMMON, head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
-            num_experts_per_tok=2, norm_topk_prob=True,
-        ),
-        "qwen2_moe": t.Qwen2MoeConfig(
-            **COMMON, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-        ),
-        "olmoe": t.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2),
-        "deepseek_v3": t.DeepseekV3Config(
-            **COMMON, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-            n_group=2, topk_group=1, first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=None,
-            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-        ),
-        "gpt_oss": t.GptOssConfig(
-            **COMMON, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2
-        ),
-    }  # fmt: skip
-
-
-FAMILIES = list(_configs())
+FAMILIES = list(FAMILIES)
 
 
 def _model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0):
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(_configs()[family])
-    model = model.to(dtype)
-    with torch.no_grad():  # HF initialises biases to zero: make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("_bias") or "router.bias" in name:
-                p.normal_(0, 0.1)
-    return model
+    return tiny_model(family, dtype, seed).train()
 
 
-def _experts(model) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
+_experts = experts_modules
 
 
 def _run(model, ids):
