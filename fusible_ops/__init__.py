@@ -82,7 +82,6 @@ __all__ = [
     "Settings",
     "current_settings",
     "quantized",
-    "recipes",
     "register_fusion",
     "settings",
     "unregister_fusion",

@@ -1,6 +1,6 @@
 """Checkpoint layouts of MoE experts: stacked, per-expert and grouped keys (see docs/moe.md).
 
-The public entry point for :mod:`fusible_ops.moe.checkpoint`.
+The public entry point for ``fusible_ops.moe.checkpoint``.
 """
 
 from __future__ import annotations

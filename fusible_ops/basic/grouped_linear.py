@@ -180,7 +180,7 @@ class GroupedLinear(BasicOperation):
         return select_backend(device, dtype, purpose="gemm", forced=forced, features=features)
 
     def plan_quantized(self, device: torch.device, dtype: torch.dtype, settings) -> QuantizedChoice:
-        """How this op's GEMMs run under ``settings.recipe`` (see :mod:`fusible_ops.recipes`)."""
+        """How this op's GEMMs run under ``settings.recipe`` (see ``fusible_ops.recipes``)."""
         features = ((self.in_features, self.out_features),)
         return select_quantized(
             settings.recipe, device, dtype, grouped=True, forced_backend=settings.backend,

@@ -44,7 +44,7 @@ class BasicLinear(BasicOperation):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
     def plan_quantized(self, device: torch.device, dtype: torch.dtype, settings) -> QuantizedChoice:
-        """How this op's GEMMs run under ``settings.recipe`` (see :mod:`fusible_ops.recipes`)."""
+        """How this op's GEMMs run under ``settings.recipe`` (see ``fusible_ops.recipes``)."""
         if _is_dtensor(self.weight):
             raise ValueError(
                 f"{self.op_name()}: recipe {settings.recipe!r} with a DTensor (tensor-parallel) weight is not "

@@ -27,7 +27,7 @@ class Settings:
     triton_autotune: bool = True
     #: low-precision recipe of ``fusible_ops.quantized`` (a ``fusible_ops.recipes.Recipe``), or None
     recipe: object = None
-    #: how quantized GEMMs run: "auto", "emulation", "scaled_mm" (CPU) or "scaled_grouped_mm" (CUDA)
+    #: how quantized GEMMs run, one of "auto", "emulation", "scaled_mm" (CPU) or "scaled_grouped_mm" (CUDA)
     recipe_backend: str = "auto"
 
     @property

@@ -52,7 +52,7 @@ class GroupedMLP(FusedOperation):
         quantized: QuantizedChoice | None = None,
     ) -> None:
         super().__init__(basic_ops, backend=choice)
-        #: how the GEMMs run under a low-precision recipe (None: unquantized)
+        #: how the GEMMs run under a low-precision recipe, or None when unquantized
         self.quantized = quantized
         self.fc1: GroupedLinear = basic_ops[0]
         self.activation_op = basic_ops[1]

@@ -55,7 +55,7 @@ class OperationFuser(HookedSegments):
     ) -> None:
         load_builtin_rules()
         self.ops = list(ops)
-        #: the owning module's low-precision recipe (None: the ``fusible_ops.quantized`` context's)
+        #: the owning module's low-precision recipe, or None to follow the ``fusible_ops.quantized`` context
         self.recipe = recipe
         #: False for a fuser made for one call (an op's own ``forward``): keying the call
         #: by its signature would cost time and save none

@@ -78,7 +78,7 @@ class FusionPlan:
     requires_grad: bool = False
     #: position of the group's first op in its Sequential
     first_index: int = 0
-    #: the low-precision recipe the group runs under (None: unquantized)
+    #: the low-precision recipe the group runs under, or None when unquantized
     recipe: object = None
 
     def quantized_gemms(self) -> list[str]:

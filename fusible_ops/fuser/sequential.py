@@ -45,8 +45,8 @@ class Sequential(torch.nn.Module):
 
     @property
     def recipe(self) -> Recipe | None:
-        """The low-precision recipe of this Sequential's ops (None: the ``fusible_ops.quantized``
-        context's); it wins over the context. Setting it re-plans the next call."""
+        """The low-precision recipe of this Sequential's ops, or None to follow the
+        ``fusible_ops.quantized`` context. It wins over the context; setting it re-plans the next call."""
         return self.__dict__.get("_recipe")
 
     @recipe.setter

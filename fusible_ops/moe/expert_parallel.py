@@ -206,7 +206,7 @@ class ExpertParallel:
         Dropped rows (ids ``>= num_experts``, ``dropped``; see :func:`~fusible_ops.moe.permute`)
         travel like the others and add nothing in :meth:`combine`.
         While ``torch.compile`` traces, the functional-collective path of
-        :mod:`.ep_functional` runs instead (its state holds device split sizes).
+        ``ep_functional`` runs instead (its state holds device split sizes).
         """
         if torch.compiler.is_compiling():
             from .ep_functional import dispatch_functional
