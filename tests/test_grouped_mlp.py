@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import reference_ops as ref
 import torch
+from error_model import EXPERT_BLOCK_ROUNDINGS, rounding_rtol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -112,6 +113,7 @@ def test_fused_equals_unfused_equals_reference_float64(kind, bias, scale_after):
     assert_close_all(g_u, g_r, 1e-10, 1e-10)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu"])
 def test_bf16_within_tolerance_and_fp32_scales(kind):
     torch.manual_seed(1)
@@ -124,9 +126,12 @@ def test_bf16_within_tolerance_and_fp32_scales(kind):
     assert grads[1].dtype == torch.float32  # grad of the fp32 scales keeps their dtype
     y_r, g_r = ref_run(seq, x, split_sizes, probs, grad, kind)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    assert rel(y, y_r) < 2e-2
+    # bf16 vs float64 on the same bf16 values, norm-wise: the output rounds three times
+    # (fc1, activation, fc2; condition 2 through the GLU), a gradient at most at every
+    # stored result of the block
+    assert rel(y, y_r) < rounding_rtol(torch.bfloat16, 3, condition=2)
     for g, r in zip(grads, g_r):
-        assert rel(g, r) < 3e-2
+        assert rel(g, r) < rounding_rtol(torch.bfloat16, EXPERT_BLOCK_ROUNDINGS)
 
 
 @pytest.mark.parametrize("interleave", [1, 2])

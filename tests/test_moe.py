@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import reference_ops as ref
 import torch
+from error_model import rounding_rtol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -461,7 +462,13 @@ def test_moe_low_precision_close_to_float64(dtype):
     x = torch.randn(5, 8, dtype=dtype)
     out = moe(x)
     assert out.dtype == dtype
-    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    # float32: router (8), softmax (4), fc1 (8), fc2 (6), top-2 combine; bf16: the rounded
+    # logits, fc1, activation, fc2 and combine results (the seeded data keep the top-k
+    # choice away from ties, which no tolerance covers)
+    tol = {
+        torch.float32: rounding_rtol(torch.float32, 8 + 4 + 8 + 6 + 2, condition=4),
+        torch.bfloat16: rounding_rtol(torch.bfloat16, 5, condition=2),
+    }[dtype]
     torch.testing.assert_close(out.double(), ref(x.double()), atol=tol, rtol=tol)
 
 

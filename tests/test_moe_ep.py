@@ -204,6 +204,7 @@ def _spawn(world: int, counts: list[int], worker=None) -> None:
             pytest.fail(f"expert-parallel workers (world={world}) did not finish within {TIMEOUT_S} s")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "world, counts",
     [(2, [9, 0]), (4, [3, 0, 7, 1])],

@@ -12,6 +12,7 @@ import math
 import pytest
 import reference_ops as ref
 import torch
+from error_model import rounding_rtol
 
 from fusible_ops import MoE
 
@@ -213,7 +214,8 @@ def test_moe_bf16_configuration_runs_fused_and_matches_float64():
     x = tokens()
     out = moe(x.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16
-    assert ref.max_rel_err(out, moe64(x)) < 3e-2
+    # the rounded logits, fc1, activation, fc2 and combine results (seeded: no top-k ties)
+    assert ref.max_rel_err(out, moe64(x)) < rounding_rtol(torch.bfloat16, 5, condition=2)
 
 
 def test_router_jitter_only_in_training_and_only_on_the_router_input():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import reference_ops as ref
 import torch
+from error_model import expert_block_terms, rounding_rtol
 
 import fusible_ops as fo
 
@@ -70,7 +71,10 @@ def test_design_usage_verbatim():
         (experts[0].weight.grad, w1.grad),
         (experts[2].weight.grad, w2.grad),
     ):
-        assert ref.max_rel_err(actual, expected) < 1e-5
+        # float32 vs float64, relative to the largest entry (<= 7 rows a group, condition <= 4)
+        assert ref.max_rel_err(actual, expected) < rounding_rtol(
+            torch.float32, expert_block_terms(HIDDEN, FFN, 7), condition=4
+        )
 
 
 @pytest.mark.parametrize("key", ["module", "index", "negative_index"])

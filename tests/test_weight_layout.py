@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import reference_ops as ref
 import torch
+from error_model import BOTH_SIDES, expert_block_terms, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusible_ops as fo
@@ -210,5 +211,8 @@ def test_fused_gpt_oss_layout_block_compiles_with_inductor():
     torch._dynamo.reset()
     torch.compile(seq, fullgraph=True)(x, splits, splits, probs).square().sum().backward()
     for got, want in zip([p.grad for p in seq.parameters()] + [x.grad], expected):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        # compiled vs eager in float32, both rounding (<= 8 rows a group, condition <= 4)
+        torch.testing.assert_close(
+            got, want, **tolerance(torch.float32, expert_block_terms(16, 16, 8), 4 * BOTH_SIDES)
+        )
         assert got.is_contiguous()

@@ -27,6 +27,14 @@ def expert_load(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts[:num_experts]
 
 
+def is_recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: an activation-checkpointing
+    recomputation (reentrant or not), whose statistics were already counted once."""
+    if torch.compiler.is_compiling():
+        return False  # a compiled region's forward is traced once, its recomputation is in the graph
+    return torch._C._current_graph_task_id() != -1
+
+
 def global_sum(value: torch.Tensor, group: object | None) -> torch.Tensor:
     """``value`` summed over ``group``; the gradient flows to this rank's ``value`` only."""
     if group is None:

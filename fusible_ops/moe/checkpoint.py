@@ -21,8 +21,13 @@ Every ``load_*`` checks every tensor before writing anything (a failed load leav
 parameters unchanged): the shape, a real floating-point dtype (no complex, integer or
 bool), real data (no meta tensors) on the CPU or the parameters' device; keys and
 experts with no place in the target (e.g. biases for bias-free experts, experts past
-the model's count) are errors too. Values are cast to the parameters' dtype. ``export_*`` return the experts this rank holds, keyed or indexed
-by global expert id (stacked exports start at ``expert_range(target).start``).
+the model's count, per-group keys of ops other than the two grouped linears) are errors
+too, and so is a target on the meta device (it holds no memory to load into: materialize
+it first, e.g. ``to_empty``). Sources that share memory with the parameters are read
+before anything is written. Values are cast to the parameters' dtype. ``export_*``
+return fresh copies (never views of the parameters) of the experts this rank holds,
+keyed or indexed by global expert id (stacked exports start at
+``expert_range(target).start``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ from ..basic.grouped_linear import GroupedLinear, local_groups
 from ..basic.scale import Scale
 from ..fuser.sequential import Sequential
 from ..kernels.activation import join_gate_linear, split_gate_linear
+from .checkpoint_checks import (
+    _check,
+    _check_expert_ids,
+    _check_no_unplaced_keys,
+    _device_of,
+    _fresh,
+    _shares_memory,
+)
 from .routing import ExpertPlacement
 
 
@@ -116,60 +129,19 @@ def _dims(experts: nn.Module) -> tuple[int, int, int, bool]:
     return num_local, ffn, hidden, fc1_out == 2 * ffn
 
 
-def _check(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
-    """``ValueError`` unless ``tensor`` can be copied into a parameter of ``shape`` on ``device``."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(
-            f"checkpoint: {name} must be a tensor of shape {list(shape)}, got {type(tensor).__name__}"
-        )
-    if tensor.is_meta:
-        raise ValueError(f"checkpoint: {name} is a meta tensor (it holds no data)")
-    if not tensor.is_floating_point():
-        raise ValueError(
-            f"checkpoint: {name} has dtype {tensor.dtype}; expected a real floating-point tensor"
-        )
-    if tensor.device.type != "cpu" and tensor.device != device:
-        raise ValueError(f"checkpoint: {name} is on {tensor.device}; expected the CPU or {device}")
-    if tuple(tensor.shape) != shape:
-        raise ValueError(f"checkpoint: {name} has shape {list(tensor.shape)}; expected {list(shape)}")
-
-
-def _device_of(experts: nn.Module) -> torch.device:
-    return experts[0].weight.device
-
-
-def _check_no_unplaced_keys(state_dict: Mapping[str, object], pattern: str, allowed: set[str]) -> None:
-    """``ValueError`` for a key matching ``pattern`` (a regex) that is not in ``allowed``.
-
-    ``allowed`` holds every key this target (on any rank) reads; a matching key outside
-    it (an expert past the model's count, a bias for bias-free experts) has no place.
-    """
-    compiled = re.compile(pattern)
-    for key in state_dict:
-        if isinstance(key, str) and compiled.fullmatch(key) and key not in allowed:
-            raise ValueError(f"checkpoint: key {key!r} has no place in the target ({_why_unplaced(key)})")
-
-
-def _why_unplaced(key: str) -> str:
-    return "the experts have no biases" if "bias" in key else "no such expert or projection"
-
-
-def _check_expert_ids(name: str, source: Mapping[int, object] | Sequence[object], num_global: int) -> None:
-    """``ValueError`` for entries of ``source`` past the model's ``num_global`` experts."""
-    ids = list(source.keys()) if isinstance(source, Mapping) else range(len(source))
-    extra = [e for e in ids if not (isinstance(e, int) and 0 <= e < num_global)]
-    if extra:
-        raise ValueError(
-            f"checkpoint: {name} has entries for experts {extra} but the model has {num_global} experts"
-        )
-
-
 # ---------------------------------------------------------------- canonical <-> parameters
 
 
 def _write(target: nn.Module, canon: _Experts) -> None:
     experts = _experts_of(target)
     fc1, fc2 = experts[0], experts[2]
+    _device_of(experts)
+    # a source that aliases a parameter would be read after the first copies overwrote it
+    params = [local_groups(p).detach() for fc in (fc1, fc2) for p in fc.parameters(recurse=False)]
+    for field in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
+        value = getattr(canon, field)
+        if value is not None and _shares_memory(value, params):
+            setattr(canon, field, value.clone())
     interleave = _interleave_of(experts)
     has_bias = getattr(fc1, "bias", None) is not None
     if has_bias != (canon.gate_bias is not None):
@@ -294,11 +266,12 @@ def _export_stacked_local(target: nn.Module, transposed: bool, interleaved: bool
     down = canon.down.transpose(-1, -2) if transposed else canon.down
     if not transposed:
         gate_up = gate_up.transpose(-1, -2)
-    result = {"gate_up": gate_up.contiguous(), "down": down.contiguous()}
+    # always copies: .contiguous() would return the parameter itself when its layout matches
+    result = {"gate_up": _fresh(gate_up), "down": _fresh(down)}
     if bias is not None:
-        result["gate_up_bias"] = bias.contiguous()
+        result["gate_up_bias"] = _fresh(bias)
     if canon.down_bias is not None:
-        result["down_bias"] = canon.down_bias.clone()
+        result["down_bias"] = _fresh(canon.down_bias)
     return result
 
 
@@ -454,7 +427,9 @@ def load_grouped_keys(
         for op_index in (0, 2)
         for kind in kinds
     }
-    _check_no_unplaced_keys(state_dict, rf"{re.escape(prefix)}[02]\.(?:weight|bias)\d+", allowed)
+    # any op index: keys of the activation (1) or the ops past fc2 have no place either
+    _check_no_unplaced_keys(state_dict, rf"{re.escape(prefix)}\d+\.(?:weight|bias)\d+", allowed)
+    _device_of(experts)
     # every tensor is checked first; then each GroupedLinear reads its per-group keys
     # ({kind}{local group}) itself, the one place that stacks them
     per_op: dict[GroupedLinear, dict[str, torch.Tensor]] = {fc1: {}, fc2: {}}

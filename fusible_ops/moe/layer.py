@@ -320,7 +320,7 @@ class MoE(nn.Module):
                 self.top_k,
                 group,
             )
-        elif mode == "aux_free":
+        elif mode == "aux_free" and not balance.is_recomputing():
             self.expert_load_since_update += load
         if "load_balancing" in losses:
             scaled.append(self.aux_loss_coeff * losses["load_balancing"])

@@ -62,11 +62,16 @@ def topk_route(
 
 
 def _renormalize(probs: torch.Tensor) -> torch.Tensor:
-    """Divide each row by its sum; a row summing to zero becomes equal weights."""
+    """Divide each row by its sum; a row summing to exactly zero becomes equal weights.
+
+    A NaN or Inf sum (a diverged router row, overflowed logits) gives NaN weights: the
+    failure propagates to the output instead of turning into plausible equal weights.
+    """
     total = probs.sum(dim=-1, keepdim=True)
-    # A safe denominator keeps 0 / 0 (and its gradient) out of the unused branch.
+    # A safe denominator keeps 0 / 0 (and its gradient) out of the unused branch; clamp_min
+    # and the ``== 0`` test both let NaN through.
     safe_total = total.clamp_min(torch.finfo(probs.dtype).tiny)
-    return torch.where(total > 0, probs / safe_total, 1.0 / probs.shape[-1])
+    return torch.where(total == 0, 1.0 / probs.shape[-1], probs / safe_total)
 
 
 # ---------------------------------------------------------------- permute
