@@ -4,7 +4,7 @@ Run: ``python benchmarks/cpu_gemm_candidates.py [--rounds 7] [--sections gemm,ac
 
 All candidates of a section run in one process, interleaved round by round (so load
 from other processes hits them alike); the table reports medians over rounds and
-ratios to the dense bound measured in the same rounds. Default shape (issue 3):
+ratios to the dense bound measured in the same rounds. Default shape (the bench default):
 8 experts, hidden 1024, ffn 1408 (fc1 out 2816), 8192 rows, uneven splits with one
 empty expert, bf16.
 """
