@@ -23,14 +23,19 @@ from . import quantized_linear
 def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_features: int) -> None:
     """Shared input checks of the linear ops: feature count, dtype and device match.
 
-    Under autocast the dtypes may differ: both are cast to autocast's dtype.
+    Under autocast the dtypes may differ when neither is float64: both are cast to
+    autocast's dtype.
     """
     if len(meta.shape) < 1 or meta.shape[-1] != in_features:
         raise ValueError(f"{op_name}: input has shape {list(meta.shape)}; expected [..., {in_features}]")
     if not meta.dtype.is_floating_point:
         raise ValueError(f"{op_name}: input must be floating point, got {meta.dtype}")
-    autocast_on = torch.is_autocast_enabled(meta.device.type)
-    if meta.dtype != param.dtype and not autocast_on:
+    # torch's autocast casts floating-point tensors other than float64: a float64 operand
+    # stays float64, so the other one must match it as it would have to without autocast
+    autocast_casts_both = (
+        torch.is_autocast_enabled(meta.device.type) and torch.float64 not in (meta.dtype, param.dtype)
+    )
+    if meta.dtype != param.dtype and not autocast_casts_both:
         raise ValueError(
             f"{op_name}: input dtype {meta.dtype} does not match the weight dtype {param.dtype}; "
             "convert one of them (e.g. module.to(dtype))"

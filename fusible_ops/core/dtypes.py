@@ -1,4 +1,7 @@
-"""Compute dtype under autocast: the linear ops compute in autocast's dtype when it is on."""
+"""Compute dtype under autocast: the linear ops compute in autocast's dtype when it is on.
+
+Follows torch's autocast eligibility rule op for op: floating-point tensors other than
+float64 are cast; float64 stays float64 (as ``nn.Linear`` does)."""
 
 from __future__ import annotations
 
@@ -6,7 +9,8 @@ import torch
 
 
 def compute_dtype(input_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Autocast's dtype for ``device`` when autocast is enabled there, else ``input_dtype``."""
+    """Autocast's dtype for ``device`` when autocast is enabled there and ``input_dtype`` is
+    eligible (floating point, not float64), else ``input_dtype``."""
     return _autocast_dtype(input_dtype, device.type)
 
 
@@ -16,7 +20,7 @@ def compute_dtype_of(tensor: torch.Tensor) -> torch.dtype:
 
 
 def _autocast_dtype(input_dtype: torch.dtype, device_type: str) -> torch.dtype:
-    if input_dtype.is_floating_point and torch.is_autocast_enabled(device_type):
+    if input_dtype.is_floating_point and input_dtype is not torch.float64 and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return input_dtype
 
