@@ -32,8 +32,9 @@ def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_fe
         raise ValueError(f"{op_name}: input must be floating point, got {meta.dtype}")
     # torch's autocast casts floating-point tensors other than float64: a float64 operand
     # stays float64, so the other one must match it as it would have to without autocast
-    autocast_casts_both = (
-        torch.is_autocast_enabled(meta.device.type) and torch.float64 not in (meta.dtype, param.dtype)
+    autocast_casts_both = torch.is_autocast_enabled(meta.device.type) and torch.float64 not in (
+        meta.dtype,
+        param.dtype,
     )
     if meta.dtype != param.dtype and not autocast_casts_both:
         raise ValueError(
@@ -42,6 +43,40 @@ def check_float_input(op_name: str, meta: TensorMeta, param: torch.Tensor, in_fe
         )
     if meta.device != param.device:
         raise ValueError(f"{op_name}: input is on {meta.device} but the weight is on {param.device}")
+
+
+def check_params(
+    op_name: str,
+    params: dict[str, torch.Tensor | None],
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    local_groups_only: bool = False,
+) -> None:
+    """Each parameter present has its expected shape (with ``local_groups_only``, a
+    group-sharded DTensor's local groups; otherwise a DTensor's global shape), a floating-point dtype, and the weight's dtype and device (``ValueError``
+    naming the op and the parameter). A parameter replaced after construction (``op.weight
+    = Parameter(...)``, as integrations do) is checked here, before any op of the call runs."""
+    first = None
+    for name, expected in shapes.items():
+        tensor = params.get(name)
+        if tensor is None:
+            continue
+        local = local_groups(tensor) if local_groups_only else tensor
+        if tuple(local.shape) != expected:
+            raise ValueError(
+                f"{op_name}: parameter {name!r} has shape {list(local.shape)}; expected {list(expected)}"
+            )
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(
+                f"{op_name}: parameter {name!r} has dtype {tensor.dtype}; expected floating point"
+            )
+        if first is None:
+            first = (name, tensor)
+        elif tensor.dtype != first[1].dtype or tensor.device != first[1].device:
+            raise ValueError(
+                f"{op_name}: parameter {name!r} is {tensor.dtype} on {tensor.device} but {first[0]!r} is "
+                f"{first[1].dtype} on {first[1].device}; parameters of one op must match"
+            )
 
 
 WEIGHT_LAYOUTS = ("out_in", "in_out")
@@ -196,6 +231,15 @@ class GroupedLinear(BasicOperation):
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         name = self.op_name()
+        weight_shape = (self.out_features, self.in_features)
+        if self.weight_layout == "in_out":
+            weight_shape = weight_shape[::-1]
+        check_params(
+            name,
+            {"weight": self.weight, "bias": self.bias},
+            {"weight": (self.num_groups, *weight_shape), "bias": (self.num_groups, self.out_features)},
+            local_groups_only=True,
+        )
         check_float_input(name, input_meta, self.weight, self.in_features)
         dtype = compute_dtype(input_meta.dtype, input_meta.device)
         self.check_values(input_meta, extra_inputs)

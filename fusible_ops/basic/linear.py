@@ -14,7 +14,7 @@ from ..core.dtypes import cast, compute_dtype, compute_dtype_of
 from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from ..kernels.quantized import QuantizedChoice, select_quantized
 from . import quantized_linear
-from .grouped_linear import check_float_input
+from .grouped_linear import check_float_input, check_params
 from .linear_dispatch import tp_linear_forward
 
 
@@ -56,6 +56,9 @@ class BasicLinear(BasicOperation):
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         out_shape = (*input_meta.shape[:-1], self.out_features)
+        check_params(
+            self.op_name(), {"weight": self.weight}, {"weight": (self.out_features, self.in_features)}
+        )
         if _is_dtensor(self.weight):
             return TensorMeta(out_shape, input_meta.dtype, input_meta.device)
         check_float_input(self.op_name(), input_meta, self.weight, self.in_features)
@@ -145,6 +148,7 @@ class Bias(BasicOperation):
             raise ValueError(
                 f"Bias: input has shape {list(input_meta.shape)}; expected [..., {self.features}]"
             )
+        check_params(self.op_name(), {"bias": self.bias}, {"bias": (self.features,)})
         return input_meta
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:

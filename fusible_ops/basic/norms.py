@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta
+from .grouped_linear import check_params
 
 
 class _Norm(BasicOperation):
@@ -29,6 +30,12 @@ class _Norm(BasicOperation):
             raise ValueError(
                 f"{self.op_name()}: input has shape {list(input_meta.shape)}; expected [..., {self.normalized_shape}]"
             )
+        names = self.param_names or ("weight",)
+        check_params(
+            self.op_name(),
+            {name: getattr(self, name) for name in names},
+            dict.fromkeys(names, (self.normalized_shape,)),
+        )
         return input_meta
 
     def _norm(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.fx.node
 
 OUTPUT_BUFFER_KEY = "output"
 GRAD_INPUT_BUFFER_KEY = "grad_input"
@@ -153,24 +154,75 @@ def check_call_buffers(buffers: Sequence[tuple[str, torch.Tensor]], guard: Itera
     op's result overwrite another's (or the forward output be overwritten by a gradient),
     and a buffer overlapping an input, extra input or parameter would corrupt what the
     call reads. ``guard``: every such tensor of the whole call (all groups of a
-    Sequential). Skipped while tracing (no data pointers; see docs/compile.md).
+    Sequential). While tracing the same check runs as the custom op
+    ``fusible_ops::check_call_buffers`` (see :func:`_traced_check`).
     """
-    if not buffers or torch.compiler.is_compiling():
+    if not buffers:
         return
     guard = [t for t in guard if isinstance(t, torch.Tensor)]
+    if torch.compiler.is_compiling():
+        _traced_check(buffers, guard)
+        return
+    _check_overlaps(buffers, guard, tensors_overlap)
+
+
+def _check_overlaps(
+    buffers: Sequence[tuple[str, torch.Tensor]], guard: Sequence[torch.Tensor], overlap
+) -> None:
     for i, (label, buffer) in enumerate(buffers):
         for other_label, other in buffers[:i]:
-            if tensors_overlap(buffer, other):
+            if overlap(buffer, other):
                 raise ValueError(
                     f"{label} overlaps {other_label}: every buffer of a call must be its own memory "
                     "(one result or gradient would overwrite the other); use separate buffers"
                 )
         for tensor in guard:
-            if tensors_overlap(buffer, tensor):
+            if overlap(buffer, tensor):
                 raise ValueError(
                     f"{label} overlaps the memory of an input, extra input, parameter or module "
                     f"buffer of the call (shape {tuple(tensor.shape)}); use a separate buffer"
                 )
+
+
+def _storage_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """:func:`tensors_overlap` from storages and offsets: also for fake tensors (which share
+    a fake storage exactly where the real inputs share memory), which have no data pointers."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    a, b = _local(a), _local(b)
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+        return False
+    spans = []
+    for t in (a, b):
+        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+        start = t.storage_offset() * t.element_size()
+        spans.append((start, start + extent * t.element_size()))
+    return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
+
+
+def _traced_check(buffers: Sequence[tuple[str, torch.Tensor]], guard: Sequence[torch.Tensor]) -> None:
+    """The overlap check inside a compiled graph, as a side-effecting custom op: its fake
+    implementation runs while the graph is traced (fake tensors share storage where the
+    inputs do), so aliasing present when compiling is refused before a graph exists; its
+    real implementation runs in the graph, before the mutations of the caller's buffers
+    that AOTAutograd applies after the graph's computations (``aot_eager``; Inductor may
+    drop an op without outputs, leaving the trace-time check)."""
+    _CHECK_OP([t for _, t in buffers], list(guard), [label for label, _ in buffers])
+
+
+def _check_op_impl(buffers: list[torch.Tensor], guard: list[torch.Tensor], labels: list[str]) -> None:
+    _check_overlaps(list(zip(labels, buffers)), guard, _storage_overlap)
+
+
+# defined at import (a few microseconds): Dynamo cannot trace the definition
+_LIBRARY = torch.library.Library("fusible_ops", "FRAGMENT")
+_LIBRARY.define("check_call_buffers(Tensor[] buffers, Tensor[] guard, str[] labels) -> ()")
+_LIBRARY.impl("check_call_buffers", _check_op_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("fusible_ops::check_call_buffers", _check_op_impl, lib=_LIBRARY)
+_CHECK_OP = torch.ops.fusible_ops.check_call_buffers.default
+torch.fx.node.has_side_effect(_CHECK_OP)  # kept in the graph although it returns nothing
 
 
 def buffer_rows(buffer: torch.Tensor | None, num_rows: int, features: int) -> torch.Tensor | None:

@@ -20,7 +20,11 @@ def compute_dtype_of(tensor: torch.Tensor) -> torch.dtype:
 
 
 def _autocast_dtype(input_dtype: torch.dtype, device_type: str) -> torch.dtype:
-    if input_dtype.is_floating_point and input_dtype is not torch.float64 and torch.is_autocast_enabled(device_type):
+    if (
+        input_dtype.is_floating_point
+        and input_dtype is not torch.float64
+        and torch.is_autocast_enabled(device_type)
+    ):
         return torch.get_autocast_dtype(device_type)
     return input_dtype
 
