@@ -22,7 +22,12 @@ BACKEND_FAMILIES = {"pytorch": set(), "cpu": {"pytorch"}, "triton": set(), "cudn
 MAX_LINES = 500
 # imports by module name that go up a layer on purpose: the fuser loads the built-in fusion
 # rules (fused ops register themselves on import) however a fuser is reached
-ALLOWED_UPWARD = {("fusible_ops.fuser.rules", "fusible_ops.fused")}
+# registries filled by name: the lower module imports the higher one only to let it register
+ALLOWED_UPWARD = {
+    ("fusible_ops.fuser.rules", "fusible_ops.fused"),
+    ("fusible_ops.core.settings", "fusible_ops.kernels"),
+    ("fusible_ops.core.settings", "fusible_ops.recipes"),
+}
 
 
 def _module_name(path: Path) -> str:

@@ -47,3 +47,10 @@ def test_a_fuser_built_through_an_internal_module_fuses():
         "print(s.last_plan.fusion_plans[0].forward_op_types())\n"
     )
     assert "GroupedMLP" in _run(code)
+
+
+def test_settings_check_backends_right_after_import():
+    assert _run(
+        "import fusible_ops as fo\nwith fo.settings(backend='torch_loop'): print('ok')\n"
+        "with fo.settings(recipe=fo.recipes.MXFP8()): print('ok')"
+    ).split() == ["ok", "ok"]

@@ -84,6 +84,21 @@ def set_backend_names_provider(provider: Callable[[], list[str]]) -> None:
     _backend_names = provider
 
 
+#: modules that install the backend names and recipe types above when imported (loaded by
+#: name, the first time a setting is checked against them: core never imports them)
+PROVIDER_MODULES = ("fusible_ops.kernels", "fusible_ops.recipes")
+_providers_loaded = [False]
+
+
+def _load_providers() -> None:
+    if not _providers_loaded[0]:
+        import importlib
+
+        for name in PROVIDER_MODULES:
+            importlib.import_module(name)
+        _providers_loaded[0] = True
+
+
 def current_settings() -> Settings:
     """The settings in force on this thread."""
     return _STATE.stack[-1]
@@ -104,6 +119,8 @@ def settings(**changes: object) -> Iterator[Settings]:
     unknown = sorted(set(changes) - known)
     if unknown:
         raise TypeError(f"fusible_ops.settings got unknown setting(s) {unknown}; known: {sorted(known)}")
+    if "recipe" in changes or "recipe_backend" in changes or "backend" in changes:
+        _load_providers()
     for name, value in changes.items():
         if name == "recipe":
             if value is not None and not isinstance(value, _recipe_types[0]):
