@@ -290,7 +290,8 @@ def _run_sequential_case(case: str, mesh) -> dict:
     g_full = torch.randn(4, 6, OUT_FEATURES, dtype=torch.float64)
     x = distribute_tensor(x_full, mesh, [x_place]).requires_grad_()
     torch._dynamo.reset()
-    fn = seq if mode == "eager" else torch.compile(seq, backend="aot_eager")
+    # fullgraph: no graph break, like nn.Linear under parallelize_module
+    fn = seq if mode == "eager" else torch.compile(seq, backend="aot_eager", fullgraph=True)
     out = fn(x)
     (out.full_tensor() * g_full).sum().backward()
     ref_out, ref_gx, ref_gw, ref_gb = _reference(x_full, w_full, b_full, g_full)

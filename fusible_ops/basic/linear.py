@@ -109,15 +109,19 @@ def linear_forward(
 
 
 def _autograd_linear_backward(ctx, x, weight, grad_output):
-    """DTensor weights: differentiate the same dispatch with autograd (placements handled by DTensor)."""
-    with torch.enable_grad():
-        x_leaf = x.detach().requires_grad_(ctx.input_requires_grad)
-        w_leaf = weight.detach().requires_grad_(ctx.params_require_grad)
-        y = tp_linear_forward(x_leaf, w_leaf, None, mm_for_2d_compile=False)
-        wanted = [t for t in (x_leaf, w_leaf) if t.requires_grad]
-        grads = iter(torch.autograd.grad(y, wanted, grad_output) if wanted else ())
-    grad_input = next(grads) if x_leaf.requires_grad else None
-    grad_weight = next(grads) if w_leaf.requires_grad else None
+    """DTensor weights: the gradients of ``x @ weight.T`` written as the ops autograd's own
+    formulas use (``dy @ W`` and ``dyᵀ x``, summed over leading dims), so DTensor propagates
+    the placements exactly as it would differentiating the forward, and ``torch.compile``
+    traces them (``torch.autograd.grad`` inside a backward would break the graph)."""
+    grad_input = grad_weight = None
+    if ctx.input_requires_grad:
+        grad_input = torch.matmul(grad_output, weight)
+    if ctx.params_require_grad:
+        if grad_output.dim() == 2:
+            grad_weight = torch.matmul(grad_output.t(), x)
+        else:
+            per_batch = torch.matmul(grad_output.transpose(-2, -1), x)  # [..., out, in]
+            grad_weight = per_batch.sum(dim=tuple(range(per_batch.dim() - 2)))
     return OpBackward(grad_input, [grad_weight])
 
 
