@@ -55,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "OperationFuser": ".fuser.operation_fuser",
     "Sequential": ".fuser.sequential",
     "quantized": ".recipes",
+    "sac_policy": ".kernels.sac",
 }
 
 #: the basic ops (``fusible_ops.basic``) minus their abstract bases, then the rest
@@ -83,6 +84,7 @@ __all__ = [
     "current_settings",
     "quantized",
     "register_fusion",
+    "sac_policy",
     "settings",
     "unregister_fusion",
     "validate_or_alloc_output",
