@@ -50,21 +50,27 @@ def check_params(
     params: dict[str, torch.Tensor | None],
     shapes: dict[str, tuple[int, ...]],
     *,
-    local_groups_only: bool = False,
+    grouped: bool = False,
 ) -> None:
-    """Each parameter present has its expected shape (with ``local_groups_only``, a
-    group-sharded DTensor's local groups; otherwise a DTensor's global shape), a floating-point dtype, and the weight's dtype and device (``ValueError``
-    naming the op and the parameter). A parameter replaced after construction (``op.weight
-    = Parameter(...)``, as integrations do) is checked here, before any op of the call runs."""
+    """Each parameter present has its expected shape, a floating-point dtype, and the first
+    parameter's dtype and device (``ValueError`` naming the op and the parameter). A
+    parameter replaced after construction (``op.weight = Parameter(...)``, as integrations
+    do) is checked here, before any op of the call runs.
+
+    DTensors are checked by their global shape; with ``grouped`` (a leading group dim that
+    expert parallelism or FSDP2 may shard) only their trailing dims are.
+    """
     first = None
     for name, expected in shapes.items():
         tensor = params.get(name)
         if tensor is None:
             continue
-        local = local_groups(tensor) if local_groups_only else tensor
-        if tuple(local.shape) != expected:
+        shape = tuple(tensor.shape)
+        if grouped and type(tensor).__name__ == "DTensor":
+            shape, expected = shape[1:], expected[1:]
+        if shape != expected:
             raise ValueError(
-                f"{op_name}: parameter {name!r} has shape {list(local.shape)}; expected {list(expected)}"
+                f"{op_name}: parameter {name!r} has shape {list(tensor.shape)}; expected {list(expected)}"
             )
         if not tensor.dtype.is_floating_point:
             raise ValueError(
@@ -238,7 +244,7 @@ class GroupedLinear(BasicOperation):
             name,
             {"weight": self.weight, "bias": self.bias},
             {"weight": (self.num_groups, *weight_shape), "bias": (self.num_groups, self.out_features)},
-            local_groups_only=True,
+            grouped=True,
         )
         check_float_input(name, input_meta, self.weight, self.in_features)
         dtype = compute_dtype(input_meta.dtype, input_meta.device)

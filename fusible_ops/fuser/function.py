@@ -71,6 +71,9 @@ class CallState:
     #: ``(op index, name, position in the flattened parameters)`` of each parameter that
     #: needs no gradient in this call: backward refuses it if it was unfrozen since
     frozen_params: tuple[tuple[int, str, int], ...] = field(init=False)
+    #: per op, ``(position among its parameter gradients, name)`` of each parameter that
+    #: needs a gradient in this call: backward refuses a result without it
+    needed_grads: list[tuple[tuple[int, str], ...]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.extra_slices = count_slices(self.extra_counts)
@@ -82,7 +85,7 @@ class CallState:
         extra_slots = self.slots[: self.num_extra]
         self.extra_arg_slots = [tuple(extra_slots[part]) for part in self.extra_slices]
         self.param_arg_slots = tuple(self.slots[self.num_extra :])
-        layout, frozen = [], []
+        layout, frozen, needed = [], [], []
         for index, (names, absent, part) in enumerate(
             zip(self.param_names, self.absent_params, self.param_slices)
         ):
@@ -90,8 +93,10 @@ class CallState:
             layout.append((*zip(names, positions), *((name, None) for name in absent)))
             flags = self.param_requires_grad[index]
             frozen.extend((index, name, pos) for name, pos in zip(names, positions) if not flags.get(name))
+            needed.append(tuple((k, name) for k, name in enumerate(names) if flags.get(name)))
         self.param_layout = layout
         self.frozen_params = tuple(frozen)
+        self.needed_grads = needed
 
 
 def count_slices(counts: list[int]) -> list[slice]:
@@ -408,8 +413,36 @@ def _run_backward(
                 [[t for t in params[i].values() if t is not None] for i in idx],
                 [state.extra_counts[i] for i in idx],
             )
+            _check_needed_grads(state, entry.op, idx, result[1])
         grad, op_grad_params, op_grad_extra = result
         for i, g_params, g_extra in zip(idx, op_grad_params, op_grad_extra):
             grad_params[i] = list(g_params) if g_params else [None] * param_counts[i]
             grad_extra_inputs[i] = tuple(g_extra) if g_extra else (None,) * state.extra_counts[i]
     return grad, grad_params, grad_extra_inputs
+
+
+def _check_needed_grads(state: CallState, op: Any, idx: Sequence[int], grad_params: Sequence[Any]) -> None:
+    """Refuse a backward result without a gradient for a parameter that requires grad.
+
+    Autograd would take the missing gradient for zero and leave ``.grad`` unset: the
+    parameter would silently not train. Runs after the structure check (one entry per op).
+    """
+    for position, index in enumerate(idx):
+        needed = state.needed_grads[index]
+        if not needed:
+            continue
+        grads = grad_params[position]
+        for k, name in needed:
+            if not grads or grads[k] is None:
+                raise RuntimeError(
+                    f"{_backward_label(op)} returned no gradient (None) for parameter {name!r} of basic op "
+                    f"{position}, {state.labels[index]}, which requires grad; it must return that gradient "
+                    f"whenever ctx.needs_param_grad({name!r}) is True (otherwise the parameter gets no gradient)"
+                )
+
+
+def _backward_label(op: Any) -> str:
+    """``"LinearReLU.fuser_backward"``, or ``"MyOp.op_backward"`` for a basic op that implements that."""
+    if isinstance(op, BasicOperation) and type(op).fuser_backward is BasicOperation.fuser_backward:
+        return f"{op.op_name()}.op_backward"
+    return f"{type(op).__name__}.fuser_backward"

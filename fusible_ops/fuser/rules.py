@@ -52,6 +52,11 @@ def register_fusion(rule: RuleFn, *, kind: str, prepend: bool = False) -> RuleFn
     """
     if kind not in FUSION_KINDS:
         raise ValueError(f"register_fusion: kind must be one of {FUSION_KINDS}, got {kind!r}")
+    if not callable(rule):
+        raise TypeError(
+            f"register_fusion: rule must be a callable rule(entries, context) -> entries (e.g. from "
+            f"window_rule), got {type(rule).__name__}"
+        )
     rules = _RULES[kind]
     if rule in rules:
         rules.remove(rule)
@@ -157,8 +162,10 @@ def window_rule(name: str, pattern: Sequence[type | tuple[type, ...]], build: Bu
 
     Windows are scanned left to right; a fired window is consumed. Every window that
     matched the pattern but was declined is logged with the reason ``build`` gave.
+    ``pattern`` holds one basic-op class (or a tuple of them, any of which matches) per
+    op of the window; a bad name, pattern or ``build`` raises here, naming the argument.
     """
-    pattern = tuple(pattern)
+    pattern = _checked_pattern(name, pattern, build)
 
     def matches(window: list[PlanEntry]) -> bool:
         return len(window) == len(pattern) and all(
@@ -193,6 +200,34 @@ def window_rule(name: str, pattern: Sequence[type | tuple[type, ...]], build: Bu
     rule.__name__ = name
     rule.__qualname__ = name
     return rule
+
+
+def _checked_pattern(name: Any, pattern: Any, build: Any) -> tuple[type | tuple[type, ...], ...]:
+    """``pattern`` as a tuple, after checking ``window_rule``'s arguments (``TypeError``/``ValueError``)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"window_rule: name must be a non-empty str, got {name!r}")
+    where = f"window_rule({name!r})"
+    if isinstance(pattern, (str, bytes)) or not isinstance(pattern, Sequence):
+        raise TypeError(
+            f"{where}: pattern must be a sequence of basic-op classes (or tuples of them), "
+            f"got {type(pattern).__name__}"
+        )
+    pattern = tuple(pattern)
+    if not pattern:
+        raise ValueError(f"{where}: pattern is empty; it needs one basic-op class (or tuple of them) per op")
+    for position, types in enumerate(pattern):
+        options = types if isinstance(types, tuple) else (types,)
+        if not options or not all(isinstance(t, type) and issubclass(t, BasicOperation) for t in options):
+            raise TypeError(
+                f"{where}: pattern entry {position} is {types!r}; expected a BasicOperation subclass "
+                "or a non-empty tuple of them (the window's op classes; nothing else can match)"
+            )
+    if not callable(build):
+        raise TypeError(
+            f"{where}: build must be callable as build(context, ops, first) -> FusedOperation | str, "
+            f"got {type(build).__name__}"
+        )
+    return pattern
 
 
 # ---------------------------------------------------------------- what plans are keyed on and checked against

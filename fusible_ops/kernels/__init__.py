@@ -23,6 +23,8 @@ import torch
 from ..core.registry_versions import registries_changed
 from ..core.settings import set_backend_names_provider
 from .base import GroupedGemmBackend
+from .conformance import BackendConformanceError as BackendConformanceError
+from .conformance import run_conformance_probe
 
 # name -> (module, class) imported on first use, or the class itself; the order within a
 # device's preference list is separate
@@ -44,6 +46,33 @@ _PREFERENCE: dict[tuple[str, str], tuple[str, ...]] = {
 _DEFAULT_PREFERENCE = ("torch_loop",)
 
 _instances: dict[str, GroupedGemmBackend] = {}
+#: the library's own backends, by (module, class): trusted, not probed
+_LIBRARY_ENTRIES = frozenset(entry for entry in _BACKENDS.values() if isinstance(entry, tuple))
+#: names registered by module path whose conformance probe runs when first imported
+_probe_pending: set[str] = set()
+
+
+def _is_library_entry(entry: tuple[str, str] | type) -> bool:
+    if isinstance(entry, tuple):
+        return entry in _LIBRARY_ENTRIES
+    return (entry.__module__, entry.__qualname__) in _LIBRARY_ENTRIES
+
+
+def _backend_class(name: str, entry: tuple[str, str] | type) -> type[GroupedGemmBackend]:
+    """The class of a registry entry (imported when given by path), checked."""
+    cls = getattr(importlib.import_module(entry[0]), entry[1]) if isinstance(entry, tuple) else entry
+    if not (isinstance(cls, type) and issubclass(cls, GroupedGemmBackend)):
+        raise TypeError(
+            f"backend {name!r}: {cls!r} is not a GroupedGemmBackend subclass (see fusible_ops.kernels.base)"
+        )
+    return cls
+
+
+def _new_instance(name: str, entry: tuple[str, str] | type) -> GroupedGemmBackend:
+    backend = _backend_class(name, entry)()
+    if type(backend).name == GroupedGemmBackend.name:
+        backend.name = name  # messages and plans name it as registered
+    return backend
 
 
 def backend_names() -> list[str]:
@@ -60,20 +89,50 @@ def register_backend(
     class_name: str | None = None,
     *,
     prefer_on: tuple[str, ...] = (),
+    probe: bool = True,
 ) -> None:
     """Register a backend: its class, or a module path and class name imported on first use.
 
     ``register_backend("mine", MyBackend)`` or ``register_backend("mine", "pkg.mine", "MyBackend")``;
     ``prefer_on`` device types (``"cpu"``, ``"cuda"``) try it first in automatic selection.
     A registered name replaces the entry it had.
+
+    A class is run through the conformance probe (:mod:`.conformance`) before it is
+    registered: it is refused with :class:`BackendConformanceError` (a ``ValueError``)
+    naming the method and what was wrong. A backend given by module path is probed when
+    first imported, and raises that error then. ``probe=False`` skips the probe; its
+    correctness is then the caller's to test. Either way, every call of a user's backend
+    checks the structure of each hook's result (shape, dtype, ``out`` returned).
     """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_backend: name must be a non-empty str, got {name!r}")
+    where = f"register_backend({name!r})"
     if isinstance(backend, str):
         if class_name is None:
             raise TypeError(f"register_backend({name!r}, {backend!r}): a module path needs a class name")
-        _BACKENDS[name] = (backend, class_name)
+        entry: tuple[str, str] | type = (backend, class_name)
+    elif isinstance(backend, type) and issubclass(backend, GroupedGemmBackend):
+        entry = backend
     else:
-        _BACKENDS[name] = backend
+        raise TypeError(
+            f"{where}: backend must be a GroupedGemmBackend subclass or a module path, got {backend!r}"
+        )
+    if isinstance(prefer_on, str) or not all(isinstance(device_type, str) for device_type in prefer_on):
+        raise TypeError(
+            f"{where}: prefer_on must be a tuple of device types (e.g. ('cuda',)), got {prefer_on!r}"
+        )
+    probed = None
+    if probe and not isinstance(entry, tuple) and not _is_library_entry(entry):
+        probed = _new_instance(name, entry)
+        run_conformance_probe(name, probed)  # raises before anything is registered
+    _BACKENDS[name] = entry
+    if probe and isinstance(entry, tuple) and not _is_library_entry(entry):
+        _probe_pending.add(name)
+    else:
+        _probe_pending.discard(name)
     clear_backend_cache()
+    if probed is not None:
+        _instances[name] = probed
     for device_type in prefer_on:
         for purpose in ("mlp", "gemm"):
             current = _PREFERENCE.get((device_type, purpose), _DEFAULT_PREFERENCE)
@@ -85,6 +144,7 @@ def unregister_backend(name: str) -> None:
     if name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}; known: {backend_names()}")
     del _BACKENDS[name]
+    _probe_pending.discard(name)
     for key, names in list(_PREFERENCE.items()):
         _PREFERENCE[key] = tuple(n for n in names if n != name)
     clear_backend_cache()
@@ -96,11 +156,10 @@ def get_backend(name: str) -> GroupedGemmBackend:
         raise ValueError(f"unknown backend {name!r}; known: {backend_names()}")
     backend = _instances.get(name)
     if backend is None:
-        entry = _BACKENDS[name]
-        if isinstance(entry, tuple):
-            module_name, class_name = entry
-            entry = getattr(importlib.import_module(module_name), class_name)
-        backend = entry()
+        backend = _new_instance(name, _BACKENDS[name])
+        if name in _probe_pending:
+            run_conformance_probe(name, backend)  # raises on every use until re-registered
+            _probe_pending.discard(name)
         _instances[name] = backend
     return backend
 

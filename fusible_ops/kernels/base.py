@@ -57,6 +57,8 @@ from .grouped_checks import (
 from .signature_checks import arguments_checked
 
 Tensor = torch.Tensor
+#: modules whose backend classes are trusted (run by the conformance suite, not checked per call)
+_LIBRARY_PREFIX = "fusible_ops.kernels."
 
 
 class GroupedGemmBackend:
@@ -79,6 +81,15 @@ class GroupedGemmBackend:
     #: whether the hooks need ``split_sizes`` on the host: they then always get a list,
     #: read from ``offsets`` when the caller had none (a host sync on CUDA)
     needs_host_splits: bool = False
+    #: check every hook result (a tensor of the result's shape and dtype, ``out`` itself
+    #: when given); off for the library's own backends (classes of ``fusible_ops.kernels``)
+    check_hook_results: bool = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A subclass checks its hook results unless it is the library's own (or says so)."""
+        super().__init_subclass__(**kwargs)
+        if "check_hook_results" not in vars(cls):
+            cls.check_hook_results = not cls.__module__.startswith(_LIBRARY_PREFIX)
 
     # ------------------------------------------------------------ availability and capabilities
     def probe(self, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -168,7 +179,10 @@ class GroupedGemmBackend:
             sizes = self._ready(where, x, shape[2], shape[1], split_sizes, offsets)
         if x.shape[0] == 0:
             return out.zero_() if out is not None else x.new_zeros(shape)
-        return self._wgrad(grad_out, x, sizes, offsets, out)
+        result = self._wgrad(grad_out, x, sizes, offsets, out)
+        if self.check_hook_results:
+            check_hook_result(self, "_wgrad", result, out, shape, x.dtype)
+        return result
 
     def bias_grad(
         self, grad_out: Tensor, split_sizes: list[int] | None, offsets: Tensor, num_groups: int
@@ -180,7 +194,12 @@ class GroupedGemmBackend:
                 where, grad_out, None, split_sizes, offsets, lhs_name="grad_out", num_groups=num_groups
             )
         sizes = self._hook_sizes(where, grad_out, split_sizes, offsets)
-        return self._bias_grad(grad_out, sizes, offsets, num_groups)
+        result = self._bias_grad(grad_out, sizes, offsets, num_groups)
+        if self.check_hook_results:
+            check_hook_result(
+                self, "_bias_grad", result, None, (num_groups, grad_out.shape[-1]), grad_out.dtype
+            )
+        return result
 
     # ------------------------------------------------------------ fused entry points
     def fc1_fprop_act(
@@ -207,8 +226,19 @@ class GroupedGemmBackend:
             activation.check_width(where, n_pre)
             scales = None if scales is None else check_row_scales(where, scales, x.shape[0], x.device)
             sizes = self._ready(where, x, k_in, n_pre, split_sizes, offsets)
-        run = self._fc1_fprop_act if self._fuses(activation, x) else self._composed_fc1_fprop_act
-        return run(x, weight, bias, sizes, offsets, activation, scales)
+        if not self._fuses(activation, x):
+            return self._composed_fc1_fprop_act(x, weight, bias, sizes, offsets, activation, scales)
+        result = self._fc1_fprop_act(x, weight, bias, sizes, offsets, activation, scales)
+        if self.check_hook_results:
+            rows, width = x.shape[0], weight.shape[1]
+            check_fused_result(
+                self,
+                "_fc1_fprop_act",
+                result,
+                ((rows, width), (rows, activation.output_features(width))),
+                x.dtype,
+            )
+        return result
 
     def fc2_dgrad_act(
         self,
@@ -239,8 +269,20 @@ class GroupedGemmBackend:
                 None if scales is None else check_row_scales(where, scales, grad_y.shape[0], grad_y.device)
             )
             sizes = self._ready(where, grad_y, n_act, h_out, split_sizes, offsets)
-        run = self._fc2_dgrad_act if self._fuses(activation, grad_y) else self._composed_fc2_dgrad_act
-        grad_pre, grad_scales, act = run(grad_y, weight, pre, sizes, offsets, activation, flat_scales)
+        if self._fuses(activation, grad_y):
+            result = self._fc2_dgrad_act(grad_y, weight, pre, sizes, offsets, activation, flat_scales)
+            if self.check_hook_results:
+                shapes = (
+                    tuple(pre.shape),
+                    None if scales is None else (grad_y.shape[0],),
+                    (pre.shape[0], weight.shape[2]),
+                )
+                check_fused_result(self, "_fc2_dgrad_act", result, shapes, grad_y.dtype)
+        else:
+            result = self._composed_fc2_dgrad_act(
+                grad_y, weight, pre, sizes, offsets, activation, flat_scales
+            )
+        grad_pre, grad_scales, act = result
         if grad_scales is not None and (
             grad_scales.dtype != scales.dtype or grad_scales.shape != scales.shape
         ):
@@ -326,12 +368,88 @@ class GroupedGemmBackend:
     def _run_fprop(self, x, weight, split_sizes, offsets, bias, out) -> Tensor:
         if x.shape[0] == 0:
             return out if out is not None else x.new_empty(0, weight.shape[1])
-        return self._fprop(x, weight, split_sizes, offsets, bias, out)
+        result = self._fprop(x, weight, split_sizes, offsets, bias, out)
+        if self.check_hook_results:
+            check_hook_result(self, "_fprop", result, out, (x.shape[0], weight.shape[1]), x.dtype)
+        return result
 
     def _run_dgrad(self, grad_out, weight, split_sizes, offsets, out) -> Tensor:
         if grad_out.shape[0] == 0:
             return out if out is not None else grad_out.new_empty(0, weight.shape[2])
-        return self._dgrad(grad_out, weight, split_sizes, offsets, out)
+        result = self._dgrad(grad_out, weight, split_sizes, offsets, out)
+        if self.check_hook_results:
+            check_hook_result(
+                self, "_dgrad", result, out, (grad_out.shape[0], weight.shape[2]), grad_out.dtype
+            )
+        return result
+
+
+def check_hook_result(
+    backend: GroupedGemmBackend,
+    hook: str,
+    result: object,
+    out: Tensor | None,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> None:
+    """``RuntimeError`` naming the backend and hook unless ``result`` is ``out`` (when given) or
+    a tensor of ``shape`` and ``dtype``: a structural check (identity, shape, dtype), no data read."""
+    if out is not None:
+        if result is out:
+            return
+        if (
+            isinstance(result, Tensor)
+            and result.data_ptr() == out.data_ptr()
+            and result.shape == out.shape
+            and result.stride() == out.stride()
+        ):
+            return  # a new tensor object for the same memory
+        raise RuntimeError(
+            f"{backend.name}.{hook}: was given out= of shape {list(out.shape)} but returned "
+            f"{'another tensor, ' if isinstance(result, Tensor) else ''}{_described(result)}; a backend "
+            "writes into out and returns that tensor"
+        )
+    if not isinstance(result, Tensor) or result.shape != shape or result.dtype != dtype:
+        raise RuntimeError(
+            f"{backend.name}.{hook}: returned {_described(result)}; expected a {dtype} tensor of shape {list(shape)}"
+        )
+
+
+def check_fused_result(
+    backend: GroupedGemmBackend,
+    hook: str,
+    result: object,
+    shapes: tuple[tuple[int, ...] | None, ...],
+    dtype: torch.dtype,
+) -> None:
+    """``RuntimeError`` unless ``result`` is a tuple of one ``dtype`` tensor of each of ``shapes``
+    (None where the shape is None). Item 1 of ``_fc2_dgrad_act``, grad_scales, needs only one
+    value per row: the caller casts and reshapes it to the scales' dtype and shape."""
+    if not isinstance(result, (tuple, list)) or len(result) != len(shapes):
+        raise RuntimeError(
+            f"{backend.name}.{hook}: returned {_described(result)}; expected a tuple of {len(shapes)} items"
+        )
+    for index, (value, shape) in enumerate(zip(result, shapes)):
+        if shape is None:
+            if value is not None:
+                raise RuntimeError(f"{backend.name}.{hook}: returned a tensor as item {index}; expected None")
+            continue
+        scales_grad = hook == "_fc2_dgrad_act" and index == 1
+        if not isinstance(value, Tensor) or (
+            value.numel() != shape[0] if scales_grad else value.shape != shape or value.dtype != dtype
+        ):
+            wanted = f"{shape[0]} values" if scales_grad else f"a {dtype} tensor of shape {list(shape)}"
+            raise RuntimeError(
+                f"{backend.name}.{hook}: returned {_described(value)} as item {index}; expected {wanted}"
+            )
+
+
+def _described(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return type(value).__name__
 
 
 def group_ids_from_offsets(offsets: Tensor, num_rows: int) -> Tensor:

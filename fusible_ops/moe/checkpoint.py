@@ -47,6 +47,7 @@ from .checkpoint_checks import (
     _check,
     _check_expert_ids,
     _check_no_unplaced_keys,
+    _check_projection_names,
     _device_of,
     _fresh,
     _shares_memory,
@@ -369,10 +370,12 @@ def load_per_expert_state_dict(
 
     Mixtral: ``prefix="block_sparse_moe.experts.", names=("w1", "w3", "w2")``;
     Qwen/DeepSeek style: ``names=("gate_proj", "up_proj", "down_proj")``. Biases are read
-    from ``.bias`` keys when the experts have biases.
+    from ``.bias`` keys when the experts have biases. A non-gated activation reads no up
+    projection but still takes three names: keys under the up name are refused.
     """
     experts = _experts_of(target)
     gated = _dims(experts)[3]
+    _check_projection_names(names, prefix, gated)
     has_bias = getattr(experts[0], "bias", None) is not None
 
     def collect(name: str, suffix: str) -> dict[int, torch.Tensor]:

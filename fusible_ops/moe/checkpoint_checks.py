@@ -79,5 +79,32 @@ def _check_expert_ids(name: str, source: Mapping[int, object] | Sequence[object]
         )
 
 
+def _check_projection_names(names: object, prefix: object, gated: bool) -> None:
+    """``ValueError`` unless ``names`` is three distinct non-empty strings (gate, up, down)
+    and ``prefix`` a string (``load_per_expert_state_dict``'s arguments)."""
+    if not isinstance(prefix, str):
+        raise ValueError(f"load_per_expert_state_dict: prefix must be a str, got {type(prefix).__name__}")
+    valid = (
+        isinstance(names, (tuple, list))
+        and len(names) == 3
+        and all(isinstance(name, str) and name for name in names)
+        and len(set(names)) == 3
+    )
+    if valid:
+        return
+    if gated:
+        hint = 'e.g. ("w1", "w3", "w2") or ("gate_proj", "up_proj", "down_proj")'
+    else:
+        hint = (
+            "the experts' activation is not gated, so the up name is not read (keys under it are "
+            'refused), but it is still given: e.g. ("w1", "w3", "w2") for keys "{e}.w1.weight" '
+            'and "{e}.w2.weight"'
+        )
+    raise ValueError(
+        "load_per_expert_state_dict: names must be a tuple of three distinct non-empty strings, the "
+        f"(gate, up, down) projection names; got {names!r}; {hint}"
+    )
+
+
 def _fresh(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
