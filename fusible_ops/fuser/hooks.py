@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.dtypes import compute_dtype
-from ..core.settings import current_settings
+from ..core.settings import current_settings, settings
 from .plan import FusionDecision, FusionPlan, PlanEntry
 
 if TYPE_CHECKING:
@@ -38,7 +38,10 @@ class HookedSegments:
         plans = []
         for indices, fuser in segments:
             sub = fuser or type(self)(
-                [self.ops[indices[0]]], honour_hooks=False, first_index=self._index_of(indices[0])
+                [self.ops[indices[0]]],
+                honour_hooks=False,
+                first_index=self._index_of(indices[0]),
+                recipe=self.recipe,
             )
             flat_extra = [t for i in indices for t in extra_inputs[i]]
             plan, meta = sub.explain(
@@ -59,7 +62,11 @@ class HookedSegments:
         for indices, fuser in segments:
             if fuser is None:
                 i = indices[0]
-                result = self.ops[i](x, *extra_inputs[i], **kwargs[i])
+                if self.recipe is None:
+                    result = self.ops[i](x, *extra_inputs[i], **kwargs[i])
+                else:  # the op runs alone (its own fuser): the module's recipe still wins
+                    with settings(recipe=self.recipe):
+                        result = self.ops[i](x, *extra_inputs[i], **kwargs[i])
             else:
                 result = fuser(
                     x,
@@ -100,7 +107,9 @@ class HookedSegments:
         return None if self.first_index is None else self.first_index + index
 
     def _sub_fuser(self, indices: list[int]) -> OperationFuser:
-        return type(self)([self.ops[j] for j in indices], first_index=self._index_of(indices[0]))
+        return type(self)(
+            [self.ops[j] for j in indices], first_index=self._index_of(indices[0]), recipe=self.recipe
+        )
 
     def _segmented_plan(
         self,
