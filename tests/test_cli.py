@@ -207,6 +207,8 @@ def test_progress_of_many_rounds_reports_at_most_ten_of_them():
 
 # ---------------------------------------------------------------- demo --steps
 def test_demo_runs_for_one_and_two_steps(capsys, monkeypatch):
+    run_bench = demo.run_bench
+    monkeypatch.setattr(demo, "run_bench", lambda *a, **k: run_bench(*a, **{**k, "repeats": 1}))
     assert main(["demo", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "1 step)" in out and "loss went down" in out and "FAIL" not in out and "UP" not in out
@@ -214,10 +216,8 @@ def test_demo_runs_for_one_and_two_steps(capsys, monkeypatch):
     before = next(line for line in out.splitlines() if "before training:" in line).split()[-1]
     after = next(line for line in out.splitlines() if "after step   1:" in line).split()[-1]
     assert f"{before} -> {after}" in out and "training loss" not in out
-    assert "small-shape comparison" in out and "x dense" in out
-    # the same again for 2 steps (the old check said "loss went UP" there), with a shorter table
-    run_bench = demo.run_bench
-    monkeypatch.setattr(demo, "run_bench", lambda *a, **k: run_bench(*a, **{**k, "repeats": 1}))
+    assert f"{demo.DEMO_SHAPE.rows} rows" in out and "x dense" in out
+    # the same again for 2 steps (loss and verdict agree for any step count)
     assert main(["demo", "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "2 steps)" in out and "loss went down" in out and "FAIL" not in out and "UP" not in out
@@ -469,3 +469,18 @@ def test_in_process_ab_benchmark_runs():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "work / base" in done.stdout and done.stdout.count("us, composition") == 2
+
+
+def test_table_ratio_columns_and_words_say_the_same():
+    rows = {
+        name: {"median_ms": ms, "tflops": 1.0}
+        for name, ms in (("fused", 2.0), ("unfused", 4.0), ("grouped_mm", 1.6), ("dense", 1.0))
+    }
+    results = {"shape": {"experts": 2, "hidden": 8, "ffn": 8, "rows": 8}, "split_sizes": [4, 4],
+               "dtype": "float32", "device": "cpu", "torch": "x", "threads": 1, "repeats": 1,
+               "modes": {"fwd+bwd": rows}, "saved_bytes": {}}  # fmt: skip
+    table = bench.format_table(results)
+    fused_line = next(line for line in table.splitlines() if line.startswith("fused "))
+    assert fused_line.split()[-2:] == ["0.50", "1.25"]  # fused/unfused, fused/grouped_mm
+    assert "50% faster than unfused" in table and "25% slower than grouped_mm" in table
+    assert "speed-up" not in table

@@ -16,8 +16,14 @@ import torch.nn.functional as F
 import fusible_ops as fo
 
 from .args import UsageError
-from .bench import SMALL_SHAPE, format_table, run_bench, uneven_splits
+from .bench import format_table, run_bench, uneven_splits
 from .options import DEMO_DESCRIPTION as DESCRIPTION  # noqa: F401  (read as demo.DESCRIPTION)
+from .options import Shape
+
+#: the timing table's shape: large enough that the GEMMs dominate a call (at tiny shapes
+#: per-call Python overhead does, see docs/benchmarks.md), small enough to take seconds
+DEMO_SHAPE = Shape(experts=8, hidden=256, ffn=512, rows=2048)
+DEMO_REPEATS = 10
 
 
 def reference_expert_block(x, split_sizes, probs, w1, w2):
@@ -169,8 +175,13 @@ def main(args) -> int:
     print()
     train_small_moe(args.steps)
     print()
-    print("4) small-shape comparison (per-call overhead; medians of interleaved rounds):")
-    results = run_bench(SMALL_SHAPE, torch.bfloat16, "cpu", repeats=30, warmup=3)
+    shape = DEMO_SHAPE
+    print(
+        f"4) forward+backward time of one expert block ({shape.experts} experts, {shape.hidden} -> "
+        f"2x{shape.ffn} -> {shape.hidden}, {shape.rows} rows, bf16, CPU), medians of {DEMO_REPEATS} "
+        "interleaved rounds; a shape where the GEMMs, not per-call overhead, dominate:"
+    )
+    results = run_bench(shape, torch.bfloat16, "cpu", repeats=DEMO_REPEATS, warmup=2)
     print("   " + format_table(results).replace("\n", "\n   "))
     print("\nfull-size figures: python -m fusible_ops bench  (see docs/benchmarks.md)")
     return 0
