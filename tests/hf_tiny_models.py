@@ -40,10 +40,40 @@ def configs(hidden: int = 64, layers: int = 2, experts: int = 8) -> dict:
         "gpt_oss": t.GptOssConfig(
             **common, head_dim=hidden // 4, intermediate_size=ffn, num_local_experts=experts, num_experts_per_tok=2
         ),
+        "qwen3_next": t.Qwen3NextConfig(
+            **common, head_dim=hidden // 4, intermediate_size=hidden, moe_intermediate_size=ffn,
+            shared_expert_intermediate_size=ffn, num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            # linear attention, then one full-attention layer (a cache needs one)
+            layer_types=["linear_attention"] * (layers - 1) + ["full_attention"],
+        ),
+        "glm4_moe": t.Glm4MoeConfig(
+            **common, intermediate_size=hidden, moe_intermediate_size=ffn, n_routed_experts=experts,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0,
+        ),
+        "ernie4_5_moe": t.Ernie4_5_MoeConfig(
+            **common, intermediate_size=hidden, moe_intermediate_size=ffn, moe_num_experts=experts, moe_k=2,
+            moe_num_shared_experts=1, moe_layer_start_index=0,
+        ),
+        "dots1": t.Dots1Config(
+            **common, intermediate_size=hidden, moe_intermediate_size=ffn, n_routed_experts=experts,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0,
+        ),
+        "minimax": t.MiniMaxConfig(
+            **common, head_dim=hidden // 4, intermediate_size=ffn, num_local_experts=experts, num_experts_per_tok=2
+        ),
+        "flex_olmo": t.FlexOlmoConfig(
+            **common, pad_token_id=0, eos_token_id=None, intermediate_size=ffn, num_experts=experts, num_experts_per_tok=2),
+        "hunyuan_v1_moe": t.HunYuanMoEV1Config(
+            **common, head_dim=hidden // 4, intermediate_size=ffn, num_experts=experts, moe_topk=2
+        ),
     }  # fmt: skip
 
 
-FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
+FAMILIES = (
+    "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_next", "glm4_moe",
+    "ernie4_5_moe", "dots1", "minimax", "flex_olmo", "hunyuan_v1_moe",
+)  # fmt: skip
 
 
 def tiny_model(
