@@ -3,7 +3,8 @@ and optional expert parallelism."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -14,11 +15,14 @@ from ..basic.linear import BasicLinear
 from ..basic.scale import Scale
 from ..basic.scaled_activations import ScaledClampedSwiGLU, ScaledGEGLU, ScaledSReLU, ScaledSwiGLU
 from ..core.dtypes import compute_dtype
+from ..core.state_dict_checks import check_state_dict
 from ..fuser.sequential import Sequential
 from ..kernels.activation import ACTIVATIONS, EXPERT_BLOCK_KINDS
 from ..recipes.context import check_recipe
 from ..recipes.recipes import Recipe
 from . import balance
+from . import options as opt
+from .options import fixed, per_call
 from .router import RoutingConfig, route
 from .routing import ExpertPlacement, permute, unpermute
 
@@ -74,7 +78,59 @@ class MoE(nn.Module):
     ``last_expert_load`` holds the last forward's routed rows per expert (dropped ones
     included) and, with ``capacity_factor``, ``last_dropped_load`` the dropped ones. Input ``[..., hidden]``; output the same
     shape and dtype.
+
+    The options the layer is built for are read-only; those read on every call
+    (``router_jitter``, ``aux_loss_coeff``, ``z_loss_coeff``, ``bias_update_rate``,
+    ``aux_loss_in_backward``, ``capacity_factor``) may be assigned, checked as in the constructor.
     """
+
+    hidden_size = fixed("hidden_size", "Input and output features.")
+    ffn_hidden_size = fixed("ffn_hidden_size", "Hidden features of each routed expert.")
+    num_experts = fixed("num_experts", "Routed experts, over all expert-parallel ranks.")
+    num_local_experts = fixed("num_local_experts", "Routed experts on this rank.")
+    top_k = fixed("top_k", "Experts per token.")
+    activation = fixed("activation", "The experts' activation kind.")
+    activation_kwargs = fixed(
+        "activation_kwargs", "The activation's options (a read-only view).",
+        lambda self: opt.read_only_kwargs(self._activation_kwargs),
+    )  # fmt: skip
+    scale_after_fc2 = fixed("scale_after_fc2", "Whether the routing weight scales fc2's output.")
+    load_balancing = fixed("load_balancing", "The balancing mode.")
+    balance_group = fixed("balance_group", "The process group the balancing statistics are summed over.")
+    ep_mesh = fixed("ep_mesh", "The expert-parallel DeviceMesh, or None.")
+    expert_parallel = fixed("expert_parallel", "The ExpertParallel of ``ep_group``/``ep_mesh``, or None.")
+    routing = fixed("routing", "The router's RoutingConfig.")
+    score = fixed("score", "The router's score function.", lambda self: self.routing.score)
+    renormalize = fixed(
+        "renormalize", "Whether the top-k weights sum to 1 per token.", lambda self: self.routing.renormalize
+    )
+    ep_rank = fixed(
+        "ep_rank", "This process's rank in the expert-parallel group (0 without one).",
+        lambda self: 0 if self.expert_parallel is None else self.expert_parallel.rank,
+    )  # fmt: skip
+    ep_size = fixed(
+        "ep_size", "Ranks in the expert-parallel group (1 without one).",
+        lambda self: 1 if self.expert_parallel is None else self.expert_parallel.world_size,
+    )  # fmt: skip
+
+    router_jitter = per_call("router_jitter", lambda self, v: opt.check_jitter(v), "Router input jitter.")
+    aux_loss_coeff = per_call(
+        "aux_loss_coeff", lambda self, v: opt.check_coeff("aux_loss_coeff", v), "Balancing loss scale."
+    )
+    z_loss_coeff = per_call(
+        "z_loss_coeff", lambda self, v: opt.check_coeff("z_loss_coeff", v), "z-loss scale."
+    )
+    bias_update_rate = per_call(
+        "bias_update_rate", lambda self, v: opt.check_coeff("bias_update_rate", v), "aux_free bias step."
+    )
+    aux_loss_in_backward = per_call(
+        "aux_loss_in_backward", lambda self, v: opt.check_flag("aux_loss_in_backward", v),
+        "Whether the scaled losses reach the router in backward.",
+    )  # fmt: skip
+    capacity_factor = per_call(
+        "capacity_factor", lambda self, v: opt.check_capacity(v, self.num_experts),
+        "Per-expert capacity factor, or None (dropless).",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -113,66 +169,74 @@ class MoE(nn.Module):
         super().__init__()
         check_recipe("MoE", recipe)
         for name, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
-            if not _is_int(value) or value < 1:
+            if not opt.is_int(value) or value < 1:
                 raise ValueError(f"MoE: {name} must be a positive int, got {value!r}")
-        if not _is_int(num_experts) or num_experts < 1:
+        if not opt.is_int(num_experts) or num_experts < 1:
             raise ValueError(f"MoE: num_experts must be a positive int, got {num_experts!r}")
-        if not _is_int(top_k) or not 1 <= top_k <= num_experts:
+        if not opt.is_int(top_k) or not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
         if activation not in MOE_ACTIVATIONS:
             raise ValueError(f"MoE: activation must be one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
-        self.routing = RoutingConfig(
+        opt.check_options(shared_ffn_hidden_size, shared_expert_gate, routed_scaling_factor)
+        self._routing = RoutingConfig(
             num_experts, top_k, score, renormalize, expert_groups, topk_groups, routed_scaling_factor
         )
-        _check_balancing(load_balancing, aux_loss_coeff, z_loss_coeff, bias_update_rate)
-        _check_options(shared_ffn_hidden_size, shared_expert_gate, router_jitter, capacity_factor)
+        opt.check_balancing(load_balancing)
+        opt.check_dtype(dtype)
+        for name, flag in (
+            ("bias", bias), ("scale_after_fc2", scale_after_fc2), ("router_bias", router_bias),
+            ("score_correction_bias", score_correction_bias), ("shared_expert_gate", shared_expert_gate),
+        ):  # fmt: skip
+            opt.check_flag(name, flag)
+        kinds = MOE_ACTIVATIONS[activation]
+        act_class = kinds.unscaled if scale_after_fc2 else kinds.scaled
+        self._activation_kwargs = opt.check_activation_kwargs(
+            activation_kwargs, act_class, (ffn_hidden_size, shared_ffn_hidden_size or ffn_hidden_size)
+        )
+        self._num_experts = num_experts
+        self.router_jitter = router_jitter
+        self.aux_loss_coeff = aux_loss_coeff
+        self.z_loss_coeff = z_loss_coeff
+        self.bias_update_rate = bias_update_rate
+        self.aux_loss_in_backward = aux_loss_in_backward
+        self.capacity_factor = capacity_factor
+        self._balance_group = opt.as_balance_group(balance_group)
 
         if ep_mesh is not None:
             if ep_group is not None:
                 raise ValueError("MoE: give ep_group or ep_mesh, not both")
-            ep_group = _ep_group_of(ep_mesh, num_experts, device)
+            ep_group = opt.ep_group_of(ep_mesh, num_experts, device)
         elif hasattr(ep_group, "get_group"):
             raise ValueError(
                 "MoE: ep_group must be a torch.distributed process group; for a DeviceMesh "
                 "(e.g. world_mesh['ep']) pass ep_mesh= instead, which also makes the experts DTensors"
             )
-        self.ep_mesh = ep_mesh
-        self.expert_parallel = None
+        self._ep_mesh = ep_mesh
+        self._expert_parallel = None
         num_local_experts = num_experts
         if ep_group is not None:
             from .expert_parallel import ExpertParallel
 
-            self.expert_parallel = ExpertParallel(num_experts, ep_group)
+            self._expert_parallel = ExpertParallel(num_experts, ep_group)
             num_local_experts = self.expert_parallel.num_local_experts
 
-        self.hidden_size = hidden_size
-        self.ffn_hidden_size = ffn_hidden_size
-        self.num_experts = num_experts
-        self.num_local_experts = num_local_experts
-        self.top_k = top_k
-        self.activation = activation
-        self.activation_kwargs = dict(activation_kwargs or {})
-        self.scale_after_fc2 = scale_after_fc2
-        self.router_jitter = float(router_jitter)
-        self.load_balancing = load_balancing
-        self.aux_loss_coeff = float(aux_loss_coeff)
-        self.z_loss_coeff = float(z_loss_coeff)
-        self.bias_update_rate = float(bias_update_rate)
-        self.aux_loss_in_backward = aux_loss_in_backward
-        self.balance_group = _as_group(balance_group)
-        self.capacity_factor = capacity_factor
+        self._hidden_size = hidden_size
+        self._ffn_hidden_size = ffn_hidden_size
+        self._num_local_experts = num_local_experts
+        self._top_k = top_k
+        self._activation = activation
+        self._scale_after_fc2 = scale_after_fc2
+        self._load_balancing = load_balancing
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.last_expert_load: torch.Tensor | None = None
         self.last_dropped_load: torch.Tensor | None = None
 
-        kinds = MOE_ACTIVATIONS[activation]
         factory = {"dtype": dtype, "device": device}
         self.router = nn.Linear(hidden_size, num_experts, bias=router_bias, **factory)
-        act_class = kinds.unscaled if scale_after_fc2 else kinds.scaled
         fc1_out = kinds.fc1_factor * ffn_hidden_size
         self.experts = Sequential(
             GroupedLinear(num_local_experts, hidden_size, fc1_out, bias=bias, **factory),
-            _make_activation(act_class, self.activation_kwargs),
+            opt.make_activation(act_class, self._activation_kwargs),
             GroupedLinear(num_local_experts, ffn_hidden_size, hidden_size, bias=bias, **factory),
             *([Scale()] if scale_after_fc2 else []),
             recipe=recipe,
@@ -201,7 +265,7 @@ class MoE(nn.Module):
             s = shared_ffn_hidden_size
             self.shared_experts = Sequential(
                 BasicLinear(hidden_size, kinds.fc1_factor * s, **factory),
-                _make_activation(kinds.unscaled, self.activation_kwargs),
+                opt.make_activation(kinds.unscaled, self._activation_kwargs),
                 BasicLinear(s, hidden_size, **factory),
                 recipe=recipe,
             )
@@ -218,27 +282,9 @@ class MoE(nn.Module):
             self._buffers["score_correction_bias"] = bias.to(moved.device)
         return self
 
-    @property
-    def ep_rank(self) -> int:
-        """This process's rank in the expert-parallel group (0 without one)."""
-        return 0 if self.expert_parallel is None else self.expert_parallel.rank
-
-    @property
-    def ep_size(self) -> int:
-        """Ranks in the expert-parallel group (1 without one)."""
-        return 1 if self.expert_parallel is None else self.expert_parallel.world_size
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., hidden]`` -> ``[..., hidden]``."""
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"MoE: input must be [..., {self.hidden_size}], got {shape}")
-        weight = self.router.weight
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise ValueError(
-                f"MoE: input dtype {x.dtype} does not match the parameters' dtype {weight.dtype}; "
-                "convert one of them (e.g. moe.to(dtype)) or run under torch.autocast"
-            )
+        opt.check_input(x, self.hidden_size, self.router.weight)
         tokens = x.reshape(-1, self.hidden_size)
         router_input = tokens
         if self.training and self.router_jitter > 0:
@@ -249,7 +295,7 @@ class MoE(nn.Module):
         expert_ids = routing.expert_ids
         load = balance.expert_load(expert_ids, self.num_experts)
         self.last_expert_load = load.detach()
-        dropped = None
+        dropped = self.last_dropped_load = None
         if self.capacity_factor is not None:
             dropped = balance.capacity_dropped(expert_ids, self.num_experts, self.capacity_factor)
             self.last_dropped_load = balance.expert_load(
@@ -371,6 +417,14 @@ class MoE(nn.Module):
         )
         self.expert_load_since_update.zero_()
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # noqa: ANN201
+        """As ``nn.Module.load_state_dict``, but a load that fails changes nothing: a dry run of the
+        same load (:func:`~fusible_ops.core.state_dict_checks.check_state_dict`) first checks every
+        key, value and shape, per-group expert keys and DTensor experts included. (A parent
+        module's ``load_state_dict`` loads this layer through torch's recursion, without it.)"""
+        check_state_dict(self, state_dict, strict, assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def extra_repr(self) -> str:
         parts = [
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
@@ -391,39 +445,6 @@ class MoE(nn.Module):
             parts.append(f"capacity_factor={self.capacity_factor}")
         return ", ".join(parts)
 
-    # the routing options, readable as before
-    @property
-    def score(self) -> str:
-        """The router's score function, ``"softmax"`` or ``"sigmoid"``."""
-        return self.routing.score
-
-    @property
-    def renormalize(self) -> bool:
-        """Whether the top-k probabilities are renormalized to sum to 1 per token."""
-        return self.routing.renormalize
-
-
-def _ep_group_of(mesh: object, num_experts: int, device: torch.device | str | None) -> object:
-    """The process group of a 1-D expert-parallel ``DeviceMesh``, after checking it."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"MoE: ep_mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"MoE: ep_mesh must be 1-D (a named dimension such as world_mesh['ep']), got {mesh.ndim}-D "
-            f"with dims {mesh.mesh_dim_names}"
-        )
-    if num_experts % mesh.size():
-        raise ValueError(f"MoE: num_experts={num_experts} is not divisible by the ep_mesh size {mesh.size()}")
-    wanted = torch.device(device).type if device is not None else torch.get_default_device().type
-    if mesh.device_type != wanted:
-        raise ValueError(
-            f"MoE: ep_mesh is a {mesh.device_type!r} mesh but the parameters are made on {wanted!r}; "
-            "use a mesh of the parameters' device type"
-        )
-    return mesh.get_group()
-
 
 def _shard_experts(experts: Sequential, mesh: object) -> None:
     """Make every expert parameter a DTensor ``Shard(0)`` of global shape ``[num_experts, ...]``
@@ -440,51 +461,8 @@ def _shard_experts(experts: Sequential, mesh: object) -> None:
                 setattr(op, name, nn.Parameter(sharded, requires_grad=local.requires_grad))
 
 
-def _make_activation(cls: type, kwargs: dict) -> nn.Module:
-    try:
-        return cls(**kwargs)
-    except TypeError as err:
-        raise ValueError(f"MoE: activation_kwargs {kwargs} do not fit {cls.__name__}: {err}") from None
-
-
 def _sequences(input_shape: torch.Size) -> tuple[int, int]:
     """``(sequences, tokens per sequence)`` of an input ``[..., S, H]`` (a 2-D input is one sequence)."""
     if len(input_shape) < 3:
         return 1, torch.Size(input_shape[:-1]).numel()
     return torch.Size(input_shape[:-2]).numel(), input_shape[-2]
-
-
-def _check_balancing(mode: str, aux_coeff: float, z_coeff: float, rate: float) -> None:
-    if mode not in balance.LOAD_BALANCING:
-        raise ValueError(f"MoE: load_balancing must be one of {balance.LOAD_BALANCING}, got {mode!r}")
-    for name, value in (("aux_loss_coeff", aux_coeff), ("z_loss_coeff", z_coeff), ("bias_update_rate", rate)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"MoE: {name} must be a number >= 0, got {value!r}")
-
-
-def _check_options(shared_size: int, shared_gate: bool, jitter: float, capacity: float | None) -> None:
-    if not _is_int(shared_size) or shared_size < 0:
-        raise ValueError(f"MoE: shared_ffn_hidden_size must be an int >= 0, got {shared_size!r}")
-    if shared_gate and not shared_size:
-        raise ValueError("MoE: shared_expert_gate needs shared experts (shared_ffn_hidden_size > 0)")
-    if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not 0 <= jitter < 1:
-        raise ValueError(f"MoE: router_jitter must be a number in [0, 1), got {jitter!r}")
-    if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or not capacity > 0
-    ):
-        raise ValueError(f"MoE: capacity_factor must be a positive number or None, got {capacity!r}")
-
-
-def _as_group(group: object | None) -> object | None:
-    """A process group from a group or a 1-D ``DeviceMesh``."""
-    if group is None or not hasattr(group, "get_group"):
-        return group
-    if group.ndim != 1:
-        raise ValueError(
-            f"MoE: balance_group must be a process group or a 1-D DeviceMesh, got {group.ndim}-D"
-        )
-    return group.get_group()
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
