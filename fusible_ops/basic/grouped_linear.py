@@ -207,6 +207,17 @@ class GroupedLinear(BasicOperation):
             local_count = self.num_groups if param is None else local_groups(param).shape[0]
             per_group = [f"{prefix}{name}{g}" for g in range(local_count)]
             if prefix + name not in state_dict and all(k in state_dict for k in per_group):
+                want = tuple(local_groups(param).shape[1:]) if param is not None else None
+                bad = [
+                    f"size mismatch for {k}: copying a param with shape {list(getattr(state_dict[k], 'shape', []))} "
+                    f"from checkpoint, the shape of one group of {prefix + name} is {list(want)}"
+                    for k in per_group
+                    if want is not None
+                    and (not isinstance(state_dict[k], torch.Tensor) or tuple(state_dict[k].shape) != want)
+                ]
+                if bad:
+                    errors.extend(bad)
+                    continue
                 stacked = torch.stack([state_dict.pop(k) for k in per_group])
                 if is_group_sharded(param):
                     from torch.distributed.tensor import DTensor

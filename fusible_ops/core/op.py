@@ -191,6 +191,14 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
     static_preflight: bool = True
 
     # ------------------------------------------------------------ parameters and hooks
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # noqa: ANN201
+        """As ``nn.Module.load_state_dict``, but a load that fails changes nothing (every key,
+        value and shape is checked first, see ``fusible_ops.core.state_dict_checks``)."""
+        from .state_dict_checks import check_state_dict
+
+        check_state_dict(self, state_dict, strict, assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def param_tensors(self) -> dict[str, torch.Tensor | None]:
         """The tensors this call computes with, read through the attributes.
 
