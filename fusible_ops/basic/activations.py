@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta
+from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, fixed_at_construction
 from ..kernels.activation import ActivationSpec, activation_backward, activation_forward
 from ..kernels.signature_checks import signature_fixes_kernel_args
 
@@ -27,7 +27,28 @@ def check_activation_input(op_name: str, spec: ActivationSpec, meta: TensorMeta)
     return TensorMeta((*meta.shape[:-1], spec.output_features(meta.shape[-1])), meta.dtype, meta.device)
 
 
-class Activation(BasicOperation):
+def _spec_field(name: str) -> property:
+    def get(self):  # noqa: ANN001, ANN202
+        return getattr(self.spec, name)
+
+    def refuse(self, value) -> None:  # noqa: ANN001
+        cls = type(self).__name__
+        raise AttributeError(f"{cls}.{name} is fixed at construction; build a new {cls}({name}=...) instead")
+
+    return property(get, refuse, doc=f"The activation's ``{name}`` (read-only).")
+
+
+class SpecAttributes:
+    """The activation options of an op holding an ``ActivationSpec``, read-only."""
+
+    spec = fixed_at_construction("spec", "What the activation computes (an ``ActivationSpec``).")
+    limit = _spec_field("limit")
+    alpha = _spec_field("alpha")
+    glu_linear_offset = _spec_field("glu_linear_offset")
+    glu_interleave_size = _spec_field("glu_interleave_size")
+
+
+class Activation(SpecAttributes, BasicOperation):
     """Base of the activation ops; subclasses fix ``kind`` (and gated options)."""
 
     kind: str = ""

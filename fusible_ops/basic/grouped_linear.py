@@ -9,7 +9,14 @@ import torch
 
 from ..core.buffers import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY, buffer_rows, validate_or_alloc_rows
 from ..core.dtypes import cast, compute_dtype, compute_dtype_of
-from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
+from ..core.op import (
+    BasicOperation,
+    OpBackward,
+    OperationContext,
+    TensorMeta,
+    check_sizes,
+    fixed_at_construction,
+)
 from ..core.settings import current_settings
 from ..core.shapes import as_rows
 from ..core.splits import SplitInfo, check_split_sizes, to_split_info
@@ -127,6 +134,10 @@ class GroupedLinear(BasicOperation):
 
     num_extra_inputs = 1
     param_names = ("weight", "bias")
+    num_groups = fixed_at_construction("num_groups", "``G``, the number of groups.")
+    in_features = fixed_at_construction("in_features", "``K``, the size of each input row.")
+    out_features = fixed_at_construction("out_features", "``N``, the size of each output row.")
+    weight_layout = fixed_at_construction("weight_layout", '``"out_in"`` or ``"in_out"``.')
     accepted_kwargs = frozenset({OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY})
     buffer_kwargs = (OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY)
 

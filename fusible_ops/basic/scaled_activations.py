@@ -16,7 +16,7 @@ from ..core.shapes import as_flat, as_rows
 from ..kernels.activation import ActivationSpec, scaled_activation_backward, scaled_activation_forward
 from ..kernels.grouped_checks import check_row_scales
 from ..kernels.signature_checks import signature_fixes_kernel_args
-from .activations import check_activation_input
+from .activations import SpecAttributes, check_activation_input
 
 
 def check_op_row_scales(op_name: str, scales: object, meta: TensorMeta) -> None:
@@ -24,7 +24,7 @@ def check_op_row_scales(op_name: str, scales: object, meta: TensorMeta) -> None:
     check_row_scales(op_name, scales, math.prod(meta.shape[:-1]), meta.device)
 
 
-class ScaledActivation(BasicOperation):
+class ScaledActivation(SpecAttributes, BasicOperation):
     """Base of the scaled activations; subclasses fix ``kind``."""
 
     kind: str = ""

@@ -115,6 +115,24 @@ class OperationContext:
         return ctx
 
 
+def fixed_at_construction(name: str, doc: str) -> property:
+    """A read-only attribute: set once (in ``__init__``), refused afterwards with an
+    ``AttributeError`` (configuration an op reads when it plans or computes, which a
+    later assignment would silently not reach). Stored as ``_{name}``."""
+    slot = "_" + name
+
+    def get(self):  # noqa: ANN001, ANN202
+        return getattr(self, slot)
+
+    def set_once(self, value) -> None:  # noqa: ANN001
+        if slot in vars(self):
+            cls = type(self).__name__
+            raise AttributeError(f"{cls}.{name} is fixed at construction; build a new {cls} instead")
+        vars(self)[slot] = value
+
+    return property(get, set_once, doc=doc)
+
+
 def check_sizes(op_name: str, **sizes: object) -> None:
     """Constructor sizes must be positive ints (``TypeError``/``ValueError`` naming the op)."""
     for name, value in sizes.items():

@@ -77,6 +77,18 @@ class ActivationSpec:
     def __post_init__(self) -> None:
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"unknown activation kind {self.kind!r}; expected one of {ACTIVATION_KINDS}")
+        for name in ("limit", "alpha", "glu_linear_offset"):
+            value = getattr(self, name)
+            finite = name != "limit"  # limit=inf: no clamping
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{self.kind}: {name} must be a number, got {value!r}")
+            if finite and not math.isfinite(value):
+                raise ValueError(f"{self.kind}: {name} must be finite, got {value!r}")
+        if self.limit <= 0:
+            raise ValueError(f"{self.kind}: limit must be positive, got {self.limit!r}")
+        size = self.glu_interleave_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            raise ValueError(f"{self.kind}: glu_interleave_size must be a positive int or None, got {size!r}")
         if self.glu_interleave_size is not None:
             if not self.gated:
                 raise ValueError(

@@ -138,7 +138,6 @@ def check_activation_kwargs(kwargs: object, cls: type, ffn_sizes: tuple[int, ...
             f"MoE: activation_kwargs must be a mapping (e.g. a dict) or None, got {type(kwargs).__name__}"
         )
     kwargs = dict(kwargs)
-    make_activation(cls, kwargs)  # unknown keys
     size = kwargs.get("glu_interleave_size")
     if size is not None and (not is_int(size) or size < 1):
         raise ValueError(
@@ -154,6 +153,7 @@ def check_activation_kwargs(kwargs: object, cls: type, ffn_sizes: tuple[int, ...
         if not _is_finite(value) or (key == "limit" and not value > 0):
             what = "a positive finite number" if key == "limit" else "a finite number"
             raise ValueError(f"MoE: activation_kwargs[{key!r}] must be {what}, got {value!r}")
+    make_activation(cls, kwargs)  # unknown keys
     return kwargs
 
 
