@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import torch
-from doc_blocks import python_blocks
+from doc_blocks import chains, run_chain
 
 
 def test_compile_doc_examples_run():
-    blocks = python_blocks("docs/compile.md")
-    assert len(blocks) >= 2
-    namespace: dict = {}
+    found = chains("docs/compile.md")
+    assert len(found) == 1 and len(found[0]) >= 2  # the compile example, then the SAC one
     try:
-        for block in blocks:  # later blocks reuse names from earlier ones, as a reader would
-            exec(compile(block, "docs/compile.md", "exec"), namespace)
+        namespace = run_chain(found[0])
     finally:
         torch._dynamo.reset()
     assert namespace["out"].shape == (16, 64)

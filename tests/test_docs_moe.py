@@ -1,16 +1,23 @@
-"""docs/moe.md's single-process examples run as written (the distributed ones, which need
-torchrun, are what test_moe_ep and test_moe_dtensor check)."""
+"""docs/moe.md's single-process examples run as written; the distributed ones, marked
+fragments (they need torchrun), are what test_moe_ep and test_moe_dtensor check."""
 
 from __future__ import annotations
 
-from doc_blocks import python_blocks
+from doc_blocks import chains, doc_blocks, run_chain
 
 
 def test_moe_doc_examples_run():
-    blocks = python_blocks("docs/moe.md")
-    runnable = [b for b in blocks if "init_process_group" not in b and "init_device_mesh" not in b]
-    assert len(runnable) >= 4
-    namespace: dict = {}
-    for block in runnable:  # later blocks reuse names from earlier ones, as a reader would
-        exec(compile(block, "docs/moe.md", "exec"), namespace)
-    assert namespace["out"].shape == (10, 32)
+    found = chains("docs/moe.md")
+    assert len(found) >= 4
+    namespaces = [run_chain(chain) for chain in found]  # each chain in a fresh namespace
+    by_label = {chain[0].label: ns for chain, ns in zip(found, namespaces)}
+    hand_built = next(ns for ns in by_label.values() if "send_buf" in ns)
+    assert hand_built["out"].shape == (10, 32)
+    assert hand_built["rows_out"].data_ptr() == hand_built["send_buf"].data_ptr()
+
+
+def test_only_the_distributed_examples_are_fragments():
+    fragments = [block for block in doc_blocks("docs/moe.md") if block.kind == "fragment"]
+    assert len(fragments) == 3
+    assert all("torchrun" in block.note for block in fragments)
+    assert all("init_process_group" in block.code or "init_device_mesh" in block.code for block in fragments)

@@ -1,11 +1,16 @@
-"""Layering, import cost and packaging (issue 15 items 4 and 10)."""
+"""Layering, import cost and packaging: what the source distribution ships."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
+import importlib.metadata
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -90,3 +95,72 @@ def test_packaging_metadata():
     assert (PACKAGE / "py.typed").exists()
     readme = (ROOT / "README.md").read_text()
     assert "](docs/" not in readme, "relative links do not resolve on a package index page"
+
+
+#: top-level subpackages, which the docs also cite relative to fusible_ops/ (``kernels/library.py``)
+_SUBPACKAGES = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+_CITED_PATH = re.compile(r"(?<![\w./-])((?:\.\./)?[\w.-]+(?:/[\w.*-]+)+\.(?:py|sh|md|json|png|rst|toml))")
+_NOT_COPIED = shutil.ignore_patterns(
+    ".git",
+    "__pycache__",
+    "*.egg-info",
+    "build",
+    "dist",
+    ".venv",
+    ".pytest_cache",
+    ".hypothesis",
+    ".ruff_cache",
+    "bench-out",
+    "gpu_check_results",
+)
+
+
+def _cited_paths() -> dict[str, set[str]]:
+    """Repository paths that README.md and docs/*.md cite: ``{path: {citing files}}``.
+    Paths outside the repository (``../``) are the docs' own business: they say so."""
+    cited: dict[str, set[str]] = {}
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for path in _CITED_PATH.findall(doc.read_text()):
+            if path.startswith("../"):
+                continue
+            if path.split("/", 1)[0] in _SUBPACKAGES:
+                path = f"fusible_ops/{path}"
+            cited.setdefault(path, set()).add(str(doc.relative_to(ROOT)))
+    return cited
+
+
+def test_cited_paths_exist():
+    missing = {
+        path: sorted(docs)
+        for path, docs in _cited_paths().items()
+        if not (list(ROOT.glob(path)) if "*" in path else (ROOT / path).exists())
+    }
+    assert not missing, missing
+
+
+def test_source_distribution_ships_what_the_docs_cite(tmp_path):
+    try:
+        setuptools_version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("setuptools is not installed")
+    if int(setuptools_version.split(".")[0]) < 77:
+        pytest.skip(f"pyproject.toml needs setuptools >= 77, found {setuptools_version}")
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=_NOT_COPIED)
+    build = "import sys\nfrom setuptools import build_meta\nprint(build_meta.build_sdist(sys.argv[1]))"
+    result = subprocess.run(
+        [sys.executable, "-c", build, str(tmp_path / "dist")], cwd=source, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    archive = tmp_path / "dist" / result.stdout.split()[-1]
+    with tarfile.open(archive) as tar:
+        shipped = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    unshipped = {
+        path: sorted(docs)
+        for path, docs in _cited_paths().items()
+        if not (fnmatch.filter(shipped, path) if "*" in path else path in shipped)
+    }
+    assert not unshipped, unshipped
+    tests = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")}
+    assert tests <= shipped, sorted(tests - shipped)  # conftest.py and the helpers too
+    assert not any(name.endswith((".pyc", ".pyo")) for name in shipped)
