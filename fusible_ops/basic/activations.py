@@ -35,7 +35,8 @@ def _spec_field(name: str) -> property:
         cls = type(self).__name__
         raise AttributeError(f"{cls}.{name} is fixed at construction; build a new {cls}({name}=...) instead")
 
-    return property(get, refuse, doc=f"The activation's ``{name}`` (read-only).")
+    get.__doc__ = f"The activation's ``{name}`` (read-only)."
+    return property(get, refuse, doc=get.__doc__)
 
 
 class SpecAttributes:

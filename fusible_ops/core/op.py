@@ -130,6 +130,7 @@ def fixed_at_construction(name: str, doc: str) -> property:
             raise AttributeError(f"{cls}.{name} is fixed at construction; build a new {cls} instead")
         vars(self)[slot] = value
 
+    get.__doc__ = doc  # what help() and the API reference show
     return property(get, set_once, doc=doc)
 
 

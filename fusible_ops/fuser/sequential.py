@@ -120,7 +120,7 @@ class Sequential(torch.nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # noqa: ANN201
         """As ``nn.Module.load_state_dict``, but a load that fails changes nothing: a dry run
-        (:func:`~fusible_ops.core.state_dict_checks.check_state_dict`) checks every key, value
+        (``fusible_ops.core.state_dict_checks.check_state_dict``) checks every key, value
         and shape first, per-group ``weight{i}`` keys included."""
         check_state_dict(self, state_dict, strict, assign)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)

@@ -97,8 +97,8 @@ def register_backend(
     ``prefer_on`` device types (``"cpu"``, ``"cuda"``) try it first in automatic selection.
     A registered name replaces the entry it had.
 
-    A class is run through the conformance probe (:mod:`.conformance`) before it is
-    registered: it is refused with :class:`BackendConformanceError` (a ``ValueError``)
+    A class is run through the conformance probe (``fusible_ops.kernels.conformance``) before it is
+    registered: it is refused with ``BackendConformanceError`` (a ``ValueError``)
     naming the method and what was wrong. A backend given by module path is probed when
     first imported, and raises that error then. ``probe=False`` skips the probe; its
     correctness is then the caller's to test. Either way, every call of a user's backend

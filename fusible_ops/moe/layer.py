@@ -419,7 +419,7 @@ class MoE(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # noqa: ANN201
         """As ``nn.Module.load_state_dict``, but a load that fails changes nothing: a dry run of the
-        same load (:func:`~fusible_ops.core.state_dict_checks.check_state_dict`) first checks every
+        same load (``fusible_ops.core.state_dict_checks.check_state_dict``) first checks every
         key, value and shape, per-group expert keys and DTensor experts included. (A parent
         module's ``load_state_dict`` loads this layer through torch's recursion, without it.)"""
         check_state_dict(self, state_dict, strict, assign)

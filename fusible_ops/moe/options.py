@@ -31,6 +31,7 @@ def fixed(name: str, doc: str, get: Callable[[Any], Any] | None = None) -> prope
             f"MoE.{name} is fixed at construction (the layer is built for it); build a new MoE to change it"
         )
 
+    getter.__doc__ = doc  # what help() and the API reference show
     return property(getter, setter, doc=doc)
 
 
@@ -45,6 +46,7 @@ def per_call(name: str, check: Callable[[Any, object], object], doc: str) -> pro
     def setter(self: Any, value: object) -> None:
         setattr(self, slot, check(self, value))
 
+    getter.__doc__ = doc  # what help() and the API reference show
     return property(getter, setter, doc=doc)
 
 
