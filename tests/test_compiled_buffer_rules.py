@@ -103,3 +103,15 @@ def test_distinct_buffers_compiled_equal_eager_bit_for_bit():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(out_buf[:ROWS], want, rtol=0, atol=0)  # written in place
     assert torch.equal(out_buf[ROWS:], torch.zeros(2, H))  # padded tail untouched
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_a_sparse_output_buffer_is_refused_by_name(layout):
+    seq = _block()
+    x, splits, probs = _inputs()
+    dense = torch.zeros(ROWS, H)
+    buf = dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()
+    with pytest.raises(ValueError, match=r"buffer 'output' \(op 2\) must be a dense \(strided\) tensor"):
+        seq(x, splits, probs, splits, op_kwargs={2: {fo.OUTPUT_BUFFER_KEY: buf}})
+    with pytest.raises(ValueError, match="must be a dense"):  # a direct call of the op too
+        seq[0](x, splits, output=torch.zeros(ROWS, 2 * F).to_sparse())

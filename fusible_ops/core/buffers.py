@@ -45,6 +45,14 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return span_a[0] < span_b[1] and span_b[0] < span_a[1]
 
 
+def _check_dense(where: str, buffer: torch.Tensor) -> None:
+    """A buffer is written in place through its memory: sparse and nested tensors have none
+    to write into (``ValueError``)."""
+    if buffer.layout != torch.strided or buffer.is_nested:
+        layout = "nested" if buffer.is_nested else str(buffer.layout)
+        raise ValueError(f"{where} must be a dense (strided) tensor, got layout {layout}")
+
+
 def validate_or_alloc_output(
     buffer: torch.Tensor | None,
     shape: Sequence[int],
@@ -68,6 +76,7 @@ def validate_or_alloc_output(
     where = f"{op_name}: buffer {key!r}"
     if not isinstance(buffer, torch.Tensor):
         raise ValueError(f"{where} must be a torch.Tensor, got {type(buffer).__name__}")
+    _check_dense(where, buffer)
     if buffer.dim() != len(shape) or tuple(buffer.shape[1:]) != shape[1:]:
         raise ValueError(
             f"{where} has shape {tuple(buffer.shape)}; expected [>= {shape[0]}, "
@@ -159,6 +168,8 @@ def check_call_buffers(buffers: Sequence[tuple[str, torch.Tensor]], guard: Itera
     """
     if not buffers:
         return
+    for label, buffer in buffers:
+        _check_dense(label, buffer)
     guard = [t for t in guard if isinstance(t, torch.Tensor)]
     if torch.compiler.is_compiling():
         _traced_check(buffers, guard)
