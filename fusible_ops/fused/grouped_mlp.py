@@ -291,5 +291,46 @@ grouped_mlp_scale_after_rule = window_rule(
     _build(scale_after_fc2=True),
 )
 
+
+def _look_alike_reason(middle: BasicOperation, followed_by_scale: bool) -> str | None:
+    """Why ``GroupedLinear -> middle -> GroupedLinear [-> Scale]`` is no GroupedMLP pattern
+    (None: it is one, and the pattern's own rule decided)."""
+    scaled = ", ".join(f"Scaled{name}" for name in ("SwiGLU", "GEGLU", "ClampedSwiGLU", "SReLU"))
+    if isinstance(middle, ScaledActivation):
+        return None
+    kind = getattr(getattr(middle, "spec", None), "kind", None)
+    if isinstance(middle, Activation) and kind in SUPPORTED_ACTIVATIONS:
+        if followed_by_scale:
+            return None
+        return (
+            f"{middle.op_name()} has no routing scale: use {scaled} between the grouped linears, "
+            "or add Scale after fc2"
+        )
+    return (
+        f"{middle.op_name()} is not an expert-block activation: GroupedMLP fuses {scaled} between "
+        "the grouped linears (or their unscaled versions followed by Scale after fc2)"
+    )
+
+
+def grouped_mlp_look_alike_rule(entries: list, context: FusionContext) -> list:
+    """Declines, with the reason, every ``GroupedLinear -> op -> GroupedLinear`` window that
+    no GroupedMLP pattern matches (e.g. a ReLU, or SwiGLU without a routing scale), so the
+    plan explains why an expert-block look-alike was not fused. Never fuses anything."""
+    ops = [entry.op for entry in entries]
+    for position in range(len(ops) - 2):
+        fc1, middle, fc2 = ops[position : position + 3]
+        if not (
+            type(fc1) is GroupedLinear and type(fc2) is GroupedLinear and isinstance(middle, BasicOperation)
+        ):
+            continue
+        followed_by_scale = position + 3 < len(ops) and isinstance(ops[position + 3], Scale)
+        reason = _look_alike_reason(middle, followed_by_scale)
+        if reason is not None:
+            indices = [i for entry in entries[position : position + 3] for i in entry.indices]
+            context.record("grouped_mlp", indices, fired=False, reason=reason)
+    return entries
+
+
 register_fusion(grouped_mlp_rule, kind="joint")
 register_fusion(grouped_mlp_scale_after_rule, kind="joint")
+register_fusion(grouped_mlp_look_alike_rule, kind="joint")
