@@ -260,7 +260,7 @@ def test_validate_or_alloc_output_directly():
     fo.validate_or_alloc_output(other[2:].view(2, 4), (2, 4), torch.float32, "cpu", no_overlap=[other[:2]])
 
 
-# ---------------------------------------------------------------- aliasing across a whole call (issue 11)
+# ---------------------------------------------------------------- aliasing across a whole call
 
 
 def _optimizer_with_state(module: torch.nn.Module) -> torch.optim.Optimizer:

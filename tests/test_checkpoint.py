@@ -223,7 +223,7 @@ def test_a_bare_experts_sequential_knows_its_global_experts():
     assert list(expert_range(experts)) == [2, 3]
 
 
-# ---------------------------------------------------------------- issue 11: failed loads write nothing
+# ---------------------------------------------------------------- failed loads write nothing
 
 
 def _bad(kind, like):

@@ -96,7 +96,7 @@ def test_declines_with_reason_and_falls_back(doc_namespace):
     torch.testing.assert_close(y, torch.relu(x @ mlp[0].weight.T))
 
 
-# ---------------------------------------------------------------- fused ops that break the contract (issue 11 item 10)
+# ---------------------------------------------------------------- fused ops that break the contract
 
 
 class _BrokenLinearReLU(fo.FusedOperation):

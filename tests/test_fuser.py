@@ -497,7 +497,7 @@ def test_explain_computes_nothing_and_matches_the_call():
         seq.explain(x, SPLITS, probs)
 
 
-# ---------------------------------------------------------------- last_plan per thread (issue 11 item 8)
+# ---------------------------------------------------------------- last_plan per thread
 
 
 def test_last_plan_is_the_plan_of_this_threads_call():

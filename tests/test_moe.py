@@ -243,7 +243,7 @@ def test_unpermute_failed_call_leaves_buffer_unchanged():
     assert (buf == 5.0).all()
 
 
-# ---------------------------------------------------------------- issue 11: no silent wrong results
+# ---------------------------------------------------------------- no silent wrong results
 
 
 def _compiled(fn):

@@ -262,7 +262,7 @@ def test_linear_composite_matches_torch_linear():
     assert torch.autograd.gradcheck(lin, (x,))
 
 
-# ---------------------------------------------------------------- module surgery (issue 11 item 2)
+# ---------------------------------------------------------------- module surgery
 
 
 def _replace_by_setattr(seq, op):

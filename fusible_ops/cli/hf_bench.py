@@ -20,7 +20,7 @@ from .options import HF_FAMILIES as FAMILIES
 IMPLEMENTATIONS = ("eager", "grouped_mm", "fusible_ops")
 
 
-#: the realistic CPU shape of the issue: 2048 tokens, hidden 1024, 32 experts, ffn 512, top-4
+#: a realistic CPU shape: 2048 tokens, hidden 1024, 32 experts, ffn 512, top-4
 class HfShape(NamedTuple):
     tokens: int
     hidden: int

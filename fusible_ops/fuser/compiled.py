@@ -4,7 +4,7 @@ When Dynamo traces a fuser call by inlining it, it guards on every Python value 
 reads: the checks, the plan's cache key, the fusion rules, the backend choice, each op's
 methods and attributes. At ``bench --small``'s shape that was 388 guards against 34 for
 a plain ``torch._grouped_mm`` composition, and checking them on every compiled call was
-the whole gap between the two (docs/benchmarks.md, seventh session).
+the whole gap between the two (docs/benchmarks.md).
 
 So for a fuser of the library's own ops, a compiled call reads only what its plan
 depends on (the *facts*) and hands everything else to :func:`fuser_in_graph`, which
