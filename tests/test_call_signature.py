@@ -8,7 +8,7 @@ import reference_ops as ref
 import torch
 
 import fusible_ops as fo
-from fusible_ops.basic.grouped_linear import GroupedLinear
+from fusible_ops import GroupedLinear
 from fusible_ops.core.op import preflight_is_static
 
 SPLITS = [5, 0, 7, 4]

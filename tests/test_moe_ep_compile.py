@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from test_moe_ep import _spawn
 
-from fusible_ops.moe.layer import MoE
+from fusible_ops import MoE
 
 H, F = 6, 5
 STEPS = 10

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from test_moe_ep import _spawn
 
-from fusible_ops.moe.layer import MoE
+from fusible_ops import MoE
 
 BALANCING = ("none", "aux_loss", "seq_aux_loss", "aux_free")
 

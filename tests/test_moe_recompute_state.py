@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fusible_ops.moe.layer import MoE
+from fusible_ops import MoE
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

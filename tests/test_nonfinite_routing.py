@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusible_ops import MoE
 from fusible_ops.moe import topk_route
-from fusible_ops.moe.layer import MoE
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])

@@ -9,8 +9,7 @@ import reference_ops as ref
 import torch
 
 import fusible_ops as fo
-from fusible_ops.basic.grouped_linear import GroupedLinear
-from fusible_ops.core.op import BasicOperation
+from fusible_ops import BasicOperation, GroupedLinear
 from fusible_ops.fuser import function as fuser_function
 from fusible_ops.kernels import base
 from fusible_ops.kernels.signature_checks import arguments_checked
