@@ -82,7 +82,12 @@ class Activation(SpecAttributes, BasicOperation):
 
 @signature_fixes_kernel_args
 class ReLU(Activation):
-    """``max(x, 0)``."""
+    """``y = max(x, 0)``, elementwise.
+
+    Shape:
+        - input: ``[..., n]``, floating point.
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "relu"
 
@@ -92,7 +97,13 @@ class ReLU(Activation):
 
 @signature_fixes_kernel_args
 class GELU(Activation):
-    """GELU, tanh approximation."""
+    """GELU, tanh approximation:
+    ``y = 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))``, elementwise.
+
+    Shape:
+        - input: ``[..., n]``, floating point.
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "gelu"
 
@@ -102,7 +113,12 @@ class GELU(Activation):
 
 @signature_fixes_kernel_args
 class SiLU(Activation):
-    """``x * sigmoid(x)``."""
+    """``y = x * sigmoid(x)``, elementwise.
+
+    Shape:
+        - input: ``[..., n]``, floating point.
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "silu"
 
@@ -112,7 +128,12 @@ class SiLU(Activation):
 
 @signature_fixes_kernel_args
 class SReLU(Activation):
-    """Squared ReLU: ``relu(x) ** 2``."""
+    """Squared ReLU: ``y = relu(x) ** 2``, elementwise.
+
+    Shape:
+        - input: ``[..., n]``, floating point.
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "srelu"
 
@@ -122,7 +143,19 @@ class SReLU(Activation):
 
 @signature_fixes_kernel_args
 class SwiGLU(Activation):
-    """``silu(gate) * linear``."""
+    """``y = silu(gate) * linear``, a gated linear unit over the last dim.
+
+    Args:
+        glu_interleave_size: how the last dim splits into gate and linear parts.
+            ``None`` (default): the first half is the gate, the second half the
+            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
+            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
+
+    Shape:
+        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
+          of ``2 * glu_interleave_size`` when that is set).
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "swiglu"
 
@@ -132,7 +165,19 @@ class SwiGLU(Activation):
 
 @signature_fixes_kernel_args
 class GEGLU(Activation):
-    """``gelu_tanh(gate) * linear``."""
+    """``y = gelu_tanh(gate) * linear``, a gated linear unit over the last dim.
+
+    Args:
+        glu_interleave_size: how the last dim splits into gate and linear parts.
+            ``None`` (default): the first half is the gate, the second half the
+            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
+            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
+
+    Shape:
+        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
+          of ``2 * glu_interleave_size`` when that is set).
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "geglu"
 
@@ -142,7 +187,19 @@ class GEGLU(Activation):
 
 @signature_fixes_kernel_args
 class ReGLU(Activation):
-    """``relu(gate) * linear``."""
+    """``y = relu(gate) * linear``, a gated linear unit over the last dim.
+
+    Args:
+        glu_interleave_size: how the last dim splits into gate and linear parts.
+            ``None`` (default): the first half is the gate, the second half the
+            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
+            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
+
+    Shape:
+        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
+          of ``2 * glu_interleave_size`` when that is set).
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "reglu"
 
@@ -152,8 +209,26 @@ class ReGLU(Activation):
 
 @signature_fixes_kernel_args
 class ClampedSwiGLU(Activation):
-    """GPT-OSS style: ``g = min(gate, limit)``, ``l = clamp(linear, -limit, limit)``,
-    output ``g * sigmoid(alpha * g) * (l + glu_linear_offset)``."""
+    """GPT-OSS style clamped SwiGLU: ``g = min(gate, limit)``,
+    ``l = clamp(linear, -limit, limit)``, ``y = g * sigmoid(alpha * g) * (l + glu_linear_offset)``.
+
+    Args:
+        limit: clamp bound, a positive number (``float("inf")``: no clamping). Default: 7.0.
+        alpha: sigmoid slope, a finite number. Default: 1.702.
+        glu_linear_offset: added to the clamped linear part, a finite number. Default: 1.0.
+        glu_interleave_size: how the last dim splits into gate and linear parts.
+            ``None`` (default): the first half is the gate, the second half the
+            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
+            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
+
+    Shape:
+        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
+          of ``2 * glu_interleave_size`` when that is set).
+        - output: ``[..., n]``, the input's dtype.
+
+    Raises:
+        ValueError: an option outside the ranges above.
+    """
 
     kind = "clamped_swiglu"
 

@@ -9,7 +9,24 @@ from .linear import BasicLinear, Bias
 
 
 class Linear(Sequential):
-    """``torch.nn.Linear`` as ``Sequential(BasicLinear, Bias)``: ``weight`` ``[out, in]``, ``bias`` ``[out]``."""
+    """``y = x @ weight.T + bias``: ``torch.nn.Linear`` as ``Sequential(BasicLinear, Bias)``.
+
+    A :class:`~fusible_ops.Sequential` of :class:`~fusible_ops.BasicLinear` (``weight``
+    ``[out_features, in_features]``) and, with ``bias``, :class:`~fusible_ops.Bias`
+    (``bias`` ``[out_features]``); both initialised as ``torch.nn.Linear``'s.
+
+    Args:
+        in_features: the size of each input row, a positive int.
+        out_features: the size of each output row, a positive int.
+        bias: add a learnable bias. Default: True.
+        device: where the parameters are made. Default: torch's default device.
+        dtype: the parameters' dtype. Default: torch's default dtype.
+
+    Shape:
+        - input: ``[..., in_features]``, floating point, the weight's dtype (any floating
+          dtype but float64 under autocast) and device.
+        - output: ``[..., out_features]``.
+    """
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None

@@ -8,7 +8,20 @@ from ..core.op import BasicOperation, OpBackward, OperationContext
 
 
 class Dropout(BasicOperation):
-    """Zero each element with probability ``p`` and scale the rest by ``1/(1-p)`` (training only)."""
+    """Zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``.
+
+    Only in training mode; in eval mode (or with ``p=0``) it returns its input.
+
+    Args:
+        p: the probability of zeroing an element, in ``[0, 1)``. Default: 0.5.
+
+    Shape:
+        - input: ``[*]``, any shape.
+        - output: ``[*]``, same shape as the input.
+
+    Raises:
+        ValueError: ``p`` outside ``[0, 1)``.
+    """
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()

@@ -8,7 +8,16 @@ from ..core.op import BasicOperation, FusedBackward, FusedForward, OpBackward, O
 
 
 class AddExtraInput(BasicOperation):
-    """``y = x + extra`` with ``extra`` (same shape as ``x``) given as an extra input."""
+    """``y = x + extra`` with ``extra`` given as an extra input (e.g. a residual).
+
+    Takes no constructor arguments.
+
+    Shape:
+        - input: ``[*]``, any shape.
+        - extra input ``extra``: ``[*]``, the input's shape, dtype and device; its
+          gradient is returned too.
+        - output: ``[*]``, same shape as the input.
+    """
 
     num_extra_inputs = 1
 
@@ -37,7 +46,17 @@ class AddExtraInput(BasicOperation):
 
 
 class MakeExtraOutput(BasicOperation):
-    """Passes ``x`` on and also returns it as an extra output of the Sequential."""
+    """``y = x``, also handed out as an extra output of the :class:`~fusible_ops.Sequential`.
+
+    Takes no constructor arguments. The Sequential then returns ``(output,
+    *extra_outputs)`` with this op's input among the extra outputs, in op order; in
+    backward, the gradient of the extra output is added to the input's gradient.
+
+    Shape:
+        - input: ``[*]``, any shape.
+        - output: ``[*]``, the input itself.
+        - extra output: ``[*]``, the input itself.
+    """
 
     num_extra_outputs = 1
 

@@ -92,6 +92,16 @@ def check_params(
             )
 
 
+def check_feature_op(
+    op_name: str, meta: TensorMeta, features: int, params: dict[str, torch.Tensor | None]
+) -> None:
+    """An op over the last dim (``Bias``, the norms): the input is ``[..., features]`` and
+    each parameter ``[features]``."""
+    if not meta.shape or meta.shape[-1] != features:
+        raise ValueError(f"{op_name}: input has shape {list(meta.shape)}; expected [..., {features}]")
+    check_params(op_name, params, dict.fromkeys(params, (features,)))
+
+
 WEIGHT_LAYOUTS = ("out_in", "in_out")
 
 

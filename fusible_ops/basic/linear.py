@@ -14,7 +14,7 @@ from ..core.dtypes import cast, compute_dtype, compute_dtype_of
 from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from ..kernels.quantized import QuantizedChoice, select_quantized
 from . import quantized_linear
-from .grouped_linear import check_float_input, check_params
+from .grouped_linear import check_feature_op, check_float_input, check_params
 from .linear_dispatch import tp_linear_forward
 
 
@@ -23,7 +23,23 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 class BasicLinear(BasicOperation):
-    """``y = x @ weight.T``; weight ``[out_features, in_features]``; input ``[..., in]``."""
+    """``y = x @ weight.T``: the GEMM of a dense linear layer, without bias.
+
+    The learnable ``weight`` is ``[out_features, in_features]``, initialised as
+    ``torch.nn.Linear``'s; it may be a DTensor (tensor parallelism). Follow it with
+    :class:`~fusible_ops.Bias` for a bias (:class:`~fusible_ops.Linear` is the pair).
+
+    Args:
+        in_features: the size of each input row, a positive int.
+        out_features: the size of each output row, a positive int.
+        device: where the weight is made. Default: torch's default device.
+        dtype: the weight's dtype. Default: torch's default dtype.
+
+    Shape:
+        - input: ``[..., in_features]``, floating point, the weight's dtype (any floating
+          dtype but float64 under autocast) and device.
+        - output: ``[..., out_features]``, the input's dtype (autocast's under autocast).
+    """
 
     param_names = ("weight",)
     accepts_dtensor = True
@@ -126,7 +142,20 @@ def _autograd_linear_backward(ctx, x, weight, grad_output):
 
 
 class Bias(BasicOperation):
-    """``y = x + bias``; bias ``[features]`` added over the last dim."""
+    """``y = x + bias``, with the bias added over the last dim.
+
+    The learnable ``bias`` is ``[features]``, initialised to zeros. It may be a DTensor
+    (tensor parallelism).
+
+    Args:
+        features: the size of the last dim, a positive int.
+        device: where the bias is made. Default: torch's default device.
+        dtype: the bias's dtype. Default: torch's default dtype.
+
+    Shape:
+        - input: ``[..., features]``.
+        - output: ``[..., features]``.
+    """
 
     param_names = ("bias",)
     accepts_dtensor = True
@@ -148,11 +177,7 @@ class Bias(BasicOperation):
     static_preflight = True  # value checks, if any, are in check_values
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
-        if not input_meta.shape or input_meta.shape[-1] != self.features:
-            raise ValueError(
-                f"Bias: input has shape {list(input_meta.shape)}; expected [..., {self.features}]"
-            )
-        check_params(self.op_name(), {"bias": self.bias}, {"bias": (self.features,)})
+        check_feature_op(self.op_name(), input_meta, self.features, {"bias": self.bias})
         return input_meta
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:

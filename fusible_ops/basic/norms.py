@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta
-from .grouped_linear import check_params
+from .grouped_linear import check_feature_op
 
 
 class _Norm(BasicOperation):
@@ -26,16 +26,9 @@ class _Norm(BasicOperation):
     static_preflight = True  # value checks, if any, are in check_values
 
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
-        if not input_meta.shape or input_meta.shape[-1] != self.normalized_shape:
-            raise ValueError(
-                f"{self.op_name()}: input has shape {list(input_meta.shape)}; expected [..., {self.normalized_shape}]"
-            )
         names = self.param_names or ("weight",)
-        check_params(
-            self.op_name(),
-            {name: getattr(self, name) for name in names},
-            dict.fromkeys(names, (self.normalized_shape,)),
-        )
+        params = {name: getattr(self, name) for name in names}
+        check_feature_op(self.op_name(), input_meta, self.normalized_shape, params)
         return input_meta
 
     def _norm(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
@@ -60,7 +53,20 @@ class _Norm(BasicOperation):
 
 
 class RMSNorm(_Norm):
-    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dim (``normalized_shape``)."""
+    """``y = x / sqrt(mean(x**2) + eps) * weight``, over the last dim.
+
+    The learnable ``weight`` ``[normalized_shape]`` starts as ones.
+
+    Args:
+        normalized_shape: the size of the last dim (an int), and of ``weight``.
+        eps: added to the mean square for numerical stability. Default: 1e-6.
+        device: where the parameter is made. Default: torch's default device.
+        dtype: the parameter's dtype. Default: torch's default dtype.
+
+    Shape:
+        - input: ``[..., normalized_shape]``, floating point, on the weight's device.
+        - output: ``[..., normalized_shape]``, same shape as the input.
+    """
 
     param_names = ("weight",)
 
@@ -77,7 +83,20 @@ class RMSNorm(_Norm):
 
 
 class LayerNorm(_Norm):
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim."""
+    """``y = (x - mean) / sqrt(var + eps) * weight + bias``, over the last dim (biased variance).
+
+    The learnable ``weight`` and ``bias``, each ``[normalized_shape]``, start as ones and zeros.
+
+    Args:
+        normalized_shape: the size of the last dim (an int), and of ``weight`` and ``bias``.
+        eps: added to the variance for numerical stability. Default: 1e-5.
+        device: where the parameters are made. Default: torch's default device.
+        dtype: the parameters' dtype. Default: torch's default dtype.
+
+    Shape:
+        - input: ``[..., normalized_shape]``, floating point, on the parameters' device.
+        - output: ``[..., normalized_shape]``, same shape as the input.
+    """
 
     param_names = ("weight", "bias")
 

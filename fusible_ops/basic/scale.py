@@ -11,7 +11,15 @@ from .scaled_activations import check_op_row_scales
 
 
 class ConstantScale(BasicOperation):
-    """``y = scale * x`` for a Python float ``scale``."""
+    """``y = scale * x`` with a constant factor.
+
+    Args:
+        scale: the factor, converted to a Python float (not a parameter).
+
+    Shape:
+        - input: ``[*]``, any shape.
+        - output: ``[*]``, same shape as the input.
+    """
 
     def __init__(self, scale: float) -> None:
         super().__init__()
@@ -31,11 +39,15 @@ class ConstantScale(BasicOperation):
 class Scale(BasicOperation):
     """``y = x * scales[:, None]`` with ``scales`` (one value per token row) as extra input.
 
+    Takes no constructor arguments. In an MoE expert block it applies the routing
+    weights after fc2 (``fo.MoE(..., scale_after_fc2=True)``).
+
     Shape:
         - input: ``[..., n]``.
-        - extra input ``scales``: ``prod(input.shape[:-1])`` values, any floating dtype
-          (its gradient is returned too).
-        - output: like the input.
+        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
+          values, e.g. ``[rows]`` or ``[rows, 1]``), any floating dtype, on the input's
+          device; its gradient is returned too.
+        - output: ``[..., n]``, the input's dtype.
     """
 
     num_extra_inputs = 1

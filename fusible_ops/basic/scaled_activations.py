@@ -75,7 +75,23 @@ class ScaledActivation(SpecAttributes, BasicOperation):
 
 @signature_fixes_kernel_args
 class ScaledSwiGLU(ScaledActivation):
-    """``silu(gate) * linear * scales``."""
+    """``y = silu(gate) * linear * scales[:, None]``: :class:`~fusible_ops.SwiGLU` times
+    one scale per token row.
+
+    Args:
+        glu_interleave_size: how the last dim splits into gate and linear parts.
+            ``None`` (default): the first half is the gate, the second half the
+            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
+            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
+
+    Shape:
+        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
+          of ``2 * glu_interleave_size`` when that is set).
+        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
+          values, e.g. ``[rows]`` or ``[rows, 1]``), floating point (may be fp32 with a
+          bf16 input), on the input's device; its gradient is returned too.
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "swiglu"
 
@@ -85,7 +101,23 @@ class ScaledSwiGLU(ScaledActivation):
 
 @signature_fixes_kernel_args
 class ScaledGEGLU(ScaledActivation):
-    """``gelu_tanh(gate) * linear * scales``."""
+    """``y = gelu_tanh(gate) * linear * scales[:, None]``: :class:`~fusible_ops.GEGLU`
+    times one scale per token row.
+
+    Args:
+        glu_interleave_size: how the last dim splits into gate and linear parts.
+            ``None`` (default): the first half is the gate, the second half the
+            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
+            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
+
+    Shape:
+        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
+          of ``2 * glu_interleave_size`` when that is set).
+        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
+          values, e.g. ``[rows]`` or ``[rows, 1]``), floating point (may be fp32 with a
+          bf16 input), on the input's device; its gradient is returned too.
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "geglu"
 
@@ -95,7 +127,30 @@ class ScaledGEGLU(ScaledActivation):
 
 @signature_fixes_kernel_args
 class ScaledClampedSwiGLU(ScaledActivation):
-    """:class:`~fusible_ops.ClampedSwiGLU` times ``scales``."""
+    """:class:`~fusible_ops.ClampedSwiGLU` times one scale per token row:
+    ``y = g * sigmoid(alpha * g) * (l + glu_linear_offset) * scales[:, None]`` with
+    ``g = min(gate, limit)``, ``l = clamp(linear, -limit, limit)``.
+
+    Args:
+        limit: clamp bound, a positive number (``float("inf")``: no clamping). Default: 7.0.
+        alpha: sigmoid slope, a finite number. Default: 1.702.
+        glu_linear_offset: added to the clamped linear part, a finite number. Default: 1.0.
+        glu_interleave_size: how the last dim splits into gate and linear parts.
+            ``None`` (default): the first half is the gate, the second half the
+            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
+            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
+
+    Shape:
+        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
+          of ``2 * glu_interleave_size`` when that is set).
+        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
+          values, e.g. ``[rows]`` or ``[rows, 1]``), floating point (may be fp32 with a
+          bf16 input), on the input's device; its gradient is returned too.
+        - output: ``[..., n]``, the input's dtype.
+
+    Raises:
+        ValueError: an option outside the ranges above.
+    """
 
     kind = "clamped_swiglu"
 
@@ -116,7 +171,16 @@ class ScaledClampedSwiGLU(ScaledActivation):
 
 @signature_fixes_kernel_args
 class ScaledSReLU(ScaledActivation):
-    """``relu(x) ** 2 * scales``."""
+    """``y = relu(x) ** 2 * scales[:, None]``: :class:`~fusible_ops.SReLU` times one scale
+    per token row.
+
+    Shape:
+        - input: ``[..., n]``, floating point.
+        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
+          values, e.g. ``[rows]`` or ``[rows, 1]``), floating point (may be fp32 with a
+          bf16 input), on the input's device; its gradient is returned too.
+        - output: ``[..., n]``, the input's dtype.
+    """
 
     kind = "srelu"
 

@@ -10,7 +10,12 @@ from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta
 
 
 class Identity(BasicOperation):
-    """``y = x``."""
+    """``y = x``: passes its input on unchanged.
+
+    Shape:
+        - input: ``[*]``, any shape.
+        - output: ``[*]``, the input itself.
+    """
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
         return input_
@@ -20,7 +25,16 @@ class Identity(BasicOperation):
 
 
 class Reshape(BasicOperation):
-    """``y = x.reshape(shape)``; ``shape`` may hold one ``-1``."""
+    """``y = x.reshape(shape)``: the whole tensor, leading dims included.
+
+    Args:
+        shape: the output shape, a tuple or list of ints; one entry may be ``-1``
+            (inferred from the input's number of elements).
+
+    Shape:
+        - input: ``[*]``, any shape with as many elements as ``shape`` allows.
+        - output: ``shape``, with the ``-1`` entry filled in.
+    """
 
     def __init__(self, shape: tuple[int, ...] | list[int]) -> None:
         super().__init__()

@@ -19,6 +19,7 @@ from .args import UsageError
 from .bench import format_table, run_bench, uneven_splits
 from .options import DEMO_DESCRIPTION as DESCRIPTION  # noqa: F401  (read as demo.DESCRIPTION)
 from .options import Shape
+from .recipe_training import build_toy_moe
 
 #: the timing table's shape: large enough that the GEMMs dominate a call (at tiny shapes
 #: per-call Python overhead does, see docs/benchmarks.md), small enough to take seconds
@@ -114,28 +115,9 @@ def train_small_moe(steps: int) -> None:
     """
     if steps < 1:
         raise ValueError(f"train_small_moe: steps must be >= 1, got {steps}")
-    torch.manual_seed(1)
-    experts_n, hidden, ffn, tokens, top_k = 4, 32, 48, 256, 2
-    teacher = torch.nn.Sequential(
-        torch.nn.Linear(hidden, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden)
-    )
-    router = torch.nn.Linear(hidden, experts_n, bias=False)
-    experts = fo.Sequential(
-        fo.GroupedLinear(experts_n, hidden, 2 * ffn),
-        fo.ScaledSwiGLU(),
-        fo.GroupedLinear(experts_n, ffn, hidden),
-    )
-    optimizer = torch.optim.Adam([*router.parameters(), *experts.parameters()], lr=3e-3)
-
-    def moe(x: torch.Tensor) -> torch.Tensor:
-        probs_all = router(x).softmax(-1)
-        top_probs, top_experts = probs_all.topk(top_k, dim=-1)
-        flat_experts = top_experts.reshape(-1)
-        order = flat_experts.argsort(stable=True)
-        token_of_row = order // top_k
-        split_sizes = torch.bincount(flat_experts, minlength=experts_n)
-        rows = experts(x[token_of_row], split_sizes, top_probs.reshape(-1)[order], split_sizes)
-        return torch.zeros_like(x).index_add_(0, token_of_row, rows)
+    toy = build_toy_moe(seed=1)
+    moe, teacher, optimizer, hidden = toy.moe, toy.teacher, toy.optimizer, toy.hidden
+    experts_n, top_k, tokens = toy.num_experts, toy.top_k, 256
 
     eval_x = torch.randn(4 * tokens, hidden)
     with torch.no_grad():
