@@ -147,7 +147,9 @@ class AttachLoss(torch.autograd.Function):
         return grad_output, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=ctx.loss_device)
 
 
-def correction_bias_step(load: torch.Tensor, rate: float) -> torch.Tensor:
-    """DeepSeek-V3's auxiliary-loss-free update: ``rate * sign(mean(load) - load_e)`` per expert."""
+def correction_bias_step(load: torch.Tensor, rate: float, center: bool = False) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free update: ``rate * sign(mean(load) - load_e)`` per
+    expert; ``center``: minus the step's mean over experts (torchtitan's rule)."""
     load = load.to(torch.float32)
-    return rate * torch.sign(load.mean() - load)
+    step = rate * torch.sign(load.mean() - load)
+    return step - step.mean() if center else step

@@ -65,23 +65,102 @@ class MoE(nn.Module):
     with ``scale_after_fc2``, ``Scale``; optionally ``shared_experts`` and
     ``shared_expert_gate``.
 
-    With ``ep_group`` (a ``torch.distributed`` group of ``W`` ranks) or ``ep_mesh`` (a 1-D
-    ``DeviceMesh``, e.g. ``world_mesh["ep"]``) rank ``r`` holds experts ``[r*L, (r+1)*L)``,
-    ``L = num_experts / W``; tokens travel by all-to-all. With ``ep_mesh`` the expert
-    weights and biases are DTensors ``Shard(0)`` of global shape ``[num_experts, ...]``
-    (the kernels compute on the local shards), so ``state_dict``, optimizers and
-    ``torch.distributed.checkpoint`` see every expert once.
+    Args:
+        hidden_size: ``H``, the input and output features; a positive int.
+        ffn_hidden_size: the hidden features of each routed expert; a positive int (fc1
+            has ``2 * ffn_hidden_size`` outputs for gated activations).
+        num_experts: ``E``, the routed experts over all expert-parallel ranks; a positive int.
+        top_k: experts per token, an int in ``[1, num_experts]``.
+        activation: the experts' activation: ``"swiglu"`` (default), ``"geglu"``,
+            ``"clamped_swiglu"`` or ``"srelu"``.
+        activation_kwargs: a mapping of options for the activation op, or None
+            (default): ``limit`` (positive), ``alpha`` and ``glu_linear_offset``, all
+            finite (``clamped_swiglu`` only); ``glu_interleave_size`` (gated kinds; a
+            positive int dividing ``ffn_hidden_size`` and ``shared_ffn_hidden_size``).
+            Keys the activation does not take are refused. Copied at construction.
+        bias: per-expert biases on fc1 and fc2. Default: False.
+        score: the router's score function, ``"softmax"`` (default) or ``"sigmoid"``.
+        renormalize: divide the top-k weights by their sum per token. Default: True.
+        scale_after_fc2: the routing weight scales the whole expert output, fc2's bias
+            included (GPT-OSS), instead of the activation. Default: False.
+        router_bias: a bias on the router's linear layer. Default: False.
+        expert_groups: group-limited routing (DeepSeek-V3): the number of expert groups,
+            a positive int dividing ``num_experts``; given with ``topk_groups``. Default: None.
+        topk_groups: how many of the best groups a token may choose experts from, an int
+            in ``[1, expert_groups]`` whose groups hold at least ``top_k`` experts;
+            given with ``expert_groups``. Default: None.
+        score_correction_bias: keep a buffer ``score_correction_bias`` ``[num_experts]``
+            (zeros at start) added to the scores to select experts, not to weigh them
+            (DeepSeek-V3). Always kept with ``load_balancing="aux_free"``. Default: False.
+        routed_scaling_factor: multiplies the routing weights; a positive finite number.
+            Default: 1.0.
+        shared_ffn_hidden_size: an int ``>= 0``; when positive, ``shared_experts`` (a
+            dense MLP with this hidden size and the same activation) runs on every
+            token and its output is added. Default: 0.
+        shared_expert_gate: scale the shared experts' output by ``sigmoid(x @ w_gate)``
+            (Qwen2-MoE); needs ``shared_ffn_hidden_size > 0``. Default: False.
+        router_jitter: in training, the router's input is multiplied by uniform noise in
+            ``[1 - router_jitter, 1 + router_jitter]``; a number in ``[0, 1)``. Default: 0.0.
+        load_balancing: ``"none"`` (default), ``"aux_loss"`` (Switch/GShard),
+            ``"seq_aux_loss"`` (DeepSeek-V3, per sequence of an input ``[..., S, H]``)
+            or ``"aux_free"`` (DeepSeek-V3: the correction bias, moved by
+            :meth:`update_score_correction_bias`).
+        aux_loss_coeff: the scale of the balancing loss; a finite number ``>= 0``.
+            Default: 1e-2.
+        z_loss_coeff: the scale of the router z-loss (computed only when positive); a
+            finite number ``>= 0``. Default: 0.0.
+        bias_update_rate: the step of :meth:`update_score_correction_bias`; a finite
+            number ``>= 0``. Default: 1e-3.
+        aux_loss_in_backward: in training, the scaled losses reach the router's gradient
+            through the backward of the output; with False nothing is attached and
+            ``aux_losses`` is for you to add to the loss. Default: True.
+        balance_group: None (default), a ``torch.distributed`` process group or a 1-D
+            ``DeviceMesh``: the balancing statistics are summed over its ranks.
+        capacity_factor: None (default: dropless), or a number in ``(0, num_experts]``:
+            each expert keeps at most ``ceil(capacity_factor * T * top_k / E)`` of this
+            rank's ``T`` tokens' rows (first choices first, then token order); the rest
+            are dropped and add nothing.
+        dtype: the parameters' dtype: None (torch's default), ``torch.float16``,
+            ``torch.bfloat16``, ``torch.float32`` or ``torch.float64``.
+        device: where the parameters are made. Default: torch's default device.
+        ep_group: a ``torch.distributed`` process group of ``W`` ranks for expert
+            parallelism (``num_experts`` divisible by ``W``), or None (default). Its
+            expert parameters are local tensors, which ``torch.distributed.checkpoint``
+            refuses; use ``ep_mesh`` for that.
+        ep_mesh: a 1-D ``DeviceMesh`` for expert parallelism (e.g. ``world_mesh["ep"]``),
+            of the parameters' device type, with ``num_experts`` divisible by its size;
+            or None (default). Not together with ``ep_group``.
+        recipe: the low-precision recipe of the experts and shared experts (a
+            ``fusible_ops.recipes`` recipe), or None (default) to follow the
+            :func:`fusible_ops.quantized` context.
+
+    Shape:
+        - input: ``[..., hidden_size]``, a dense floating-point tensor of the parameters'
+          dtype (any floating dtype under autocast), on their device.
+        - output: ``[..., hidden_size]``, the input's shape (and dtype, outside autocast).
+
+    With ``ep_group`` or ``ep_mesh`` (``W`` ranks) rank ``r`` holds experts
+    ``[r*L, (r+1)*L)``, ``L = num_experts / W``; tokens travel by all-to-all. With
+    ``ep_mesh`` the expert weights and biases are DTensors ``Shard(0)`` of global shape
+    ``[num_experts, ...]`` (the kernels compute on the local shards), so ``state_dict``,
+    optimizers and ``torch.distributed.checkpoint`` see every expert once.
     The router and shared experts are replicated: reduce their gradients like any
     data-parallel parameter.
 
-    In training, ``aux_losses`` holds the last forward's unscaled balancing losses;
-    ``last_expert_load`` holds the last forward's routed rows per expert (dropped ones
-    included) and, with ``capacity_factor``, ``last_dropped_load`` the dropped ones. Input ``[..., hidden]``; output the same
-    shape and dtype.
+    After a training forward, ``aux_losses`` holds the unscaled balancing losses
+    (``"load_balancing"``, ``"z_loss"``) as detached scalars. After every forward,
+    ``last_expert_load`` (``[E]`` int64) holds the rows routed to each expert (dropped
+    ones included) and, with ``capacity_factor``, ``last_dropped_load`` the dropped ones.
 
-    The options the layer is built for are read-only; those read on every call
-    (``router_jitter``, ``aux_loss_coeff``, ``z_loss_coeff``, ``bias_update_rate``,
-    ``aux_loss_in_backward``, ``capacity_factor``) may be assigned, checked as in the constructor.
+    The options the layer is built for are read-only attributes after construction;
+    those read on every call (``router_jitter``, ``aux_loss_coeff``, ``z_loss_coeff``,
+    ``bias_update_rate``, ``aux_loss_in_backward``, ``capacity_factor``) may be
+    assigned, checked as in the constructor.
+
+    Raises:
+        ValueError: an argument outside the ranges above (the message names it).
+        TypeError: ``recipe`` is not a recipe.
+        RuntimeError: ``ep_group`` given while ``torch.distributed`` is not initialised.
     """
 
     hidden_size = fixed("hidden_size", "Input and output features.")
@@ -283,7 +362,21 @@ class MoE(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., hidden]`` -> ``[..., hidden]``."""
+        """Route each token to its top-k experts and sum their outputs (plus the shared experts').
+
+        In training, also records the balancing statistics and attaches the scaled
+        losses to the backward (see the class docstring).
+
+        Args:
+            x: the tokens, ``[..., hidden_size]``.
+
+        Returns:
+            ``[..., hidden_size]``, the shape of ``x``.
+
+        Raises:
+            ValueError: ``x`` is not a dense floating-point ``[..., hidden_size]`` tensor
+                of the parameters' dtype (any floating dtype under autocast).
+        """
         opt.check_input(x, self.hidden_size, self.router.weight)
         tokens = x.reshape(-1, self.hidden_size)
         router_input = tokens
@@ -392,6 +485,9 @@ class MoE(nn.Module):
         backward, before the optimizer step (on NCCL, ``set_gradient_divide_factor(dp *
         ep)`` on the experts' FSDP module does the same inside the reduce-scatter; gloo
         has no PREMUL_SUM).
+
+        Args:
+            factor: the multiplier, or None (default) for ``1 / ep_size``.
         """
         factor = 1.0 / self.ep_size if factor is None else factor
         for p in self.experts.parameters():
@@ -399,20 +495,27 @@ class MoE(nn.Module):
                 p.grad.mul_(factor)
 
     @torch.no_grad()
-    def update_score_correction_bias(self) -> None:
+    def update_score_correction_bias(self, *, center: bool = False) -> None:
         """Auxiliary-loss-free balancing step (DeepSeek-V3); call after ``optimizer.step()``.
 
         Moves each expert's ``score_correction_bias`` by ``bias_update_rate * sign(mean
         load - load_e)`` over the tokens counted since the last call (summed over
         ``balance_group``), then resets the counts. E.g.
         ``optimizer.register_step_post_hook(lambda *_: moe.update_score_correction_bias())``.
+
+        Args:
+            center: subtract the step's mean over experts first, so the biases keep their
+                sum (torchtitan's rule, for runs compared with torchtitan's).
+
+        Raises:
+            RuntimeError: ``load_balancing`` is not ``"aux_free"``.
         """
         if self.load_balancing != "aux_free":
             raise RuntimeError(
                 f"MoE.update_score_correction_bias: load_balancing is {self.load_balancing!r}, not 'aux_free'"
             )
         load = balance.global_sum(self.expert_load_since_update.clone(), self.balance_group)
-        self.score_correction_bias += balance.correction_bias_step(load, self.bias_update_rate).to(
+        self.score_correction_bias += balance.correction_bias_step(load, self.bias_update_rate, center).to(
             self.score_correction_bias.dtype
         )
         self.expert_load_since_update.zero_()
