@@ -12,6 +12,7 @@ import warnings
 
 from .cli.options import (
     BENCH_DTYPES,
+    BENCH_RECIPES,
     DEFAULT_REPEATS,
     DEFAULT_SHAPE,
     DEMO_DESCRIPTION,
@@ -45,11 +46,15 @@ against its peers, one call of each variant per round, and prints the medians:
                 probs, torch._grouped_mm) differentiated by autograd
   loop          a per-expert eager loop of F.linear
   dense         the bound: the same GEMMs as plain torch.mm, nothing else
-  *_compiled    fused and grouped_mm under torch.compile (with --compile)"""
+  *_compiled    fused and grouped_mm under torch.compile (with --compile)
+
+With --recipe NAME it times instead the fused block unquantized (fused) and under that
+low-precision recipe (fused_NAME), side by side, with the bytes each saves for backward."""
 
 BENCH_EPILOG = """\
 --hidden and --ffn must be multiples of 8 for bfloat16/float16 and of 4 for float32
-(torch._grouped_mm, behind the grouped_mm variant, needs 16-byte aligned feature sizes).
+(torch._grouped_mm, behind the grouped_mm variant, needs 16-byte aligned feature sizes;
+--recipe runs no grouped_mm variant and takes any size).
 Progress lines go to stderr; the plan, the tables and "wrote FILE" go to stdout."""
 
 
@@ -119,6 +124,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--moe-ep",
         action="store_true",
         help="add the MoE layer single-process vs EP=2 row (default: off)",
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=tuple(BENCH_RECIPES),
+        help="instead: the fused block unquantized (in --dtype) vs under this low-precision recipe "
+        f"({', '.join(f'{k}: {v}()' for k, v in BENCH_RECIPES.items())}), time and bytes saved "
+        "for backward; each call quantizes the weights afresh, as a training step does; on the CPU "
+        "the quantization is emulated (quantize, dequantize, fp32 GEMMs), so slower than "
+        "unquantized; refuses --compile and --moe-ep (default: none)",
     )
     parser.add_argument(
         "--hf",

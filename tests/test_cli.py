@@ -484,3 +484,66 @@ def test_table_ratio_columns_and_words_say_the_same():
     assert fused_line.split()[-2:] == ["0.50", "1.25"]  # fused/unfused, fused/grouped_mm
     assert "50% faster than unfused" in table and "25% slower than grouped_mm" in table
     assert "speed-up" not in table
+
+
+# ---------------------------------------------------------------- bench --recipe
+def test_bench_recipe_small_times_both_and_names_the_recipe_and_saved_bytes(capsys, monkeypatch, tmp_path):
+    real = bench.run_recipe_bench
+    monkeypatch.setattr(
+        bench, "run_recipe_bench", lambda *a, **k: real(*a, **{**k, "repeats": 2, "warmup": 1})
+    )
+    path = tmp_path / "recipe.json"
+    assert main(["bench", "--recipe", "mxfp8", "--small", "--no-progress", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "recipe MXFP8(" in out  # the plan, under the recipe
+    assert "recipe mxfp8: MXFP8(" in out and "fused = unquantized bfloat16" in out
+    assert "note: on cpu the quantization is emulated" in out and "slower" in out
+    lines = out.splitlines()
+    for mode in ("[forward]", "[forward+backward]"):
+        start = lines.index(mode)
+        assert lines[start + 1].split() == ["variant", "median", "ms", "TFLOP/s", "x", "fused"]
+        assert {line.split()[0] for line in lines[start + 2 : start + 4]} == {"fused", "fused_mxfp8"}
+    saved = lines[
+        lines.index("bytes saved for backward (activations, via saved-tensor hooks; parameters excluded):") :
+    ]
+    assert saved[1].split()[0] == "fused" and "MiB" in saved[1]
+    assert saved[2].split()[0] == "fused_mxfp8" and "MiB" in saved[2] and "x fused)" in saved[2]
+    results = json.loads(path.read_text())
+    assert results["recipe"] == "mxfp8" and results["emulated"] and results["repeats"] == 2
+    for rows in results["modes"].values():
+        assert set(rows) == {"fused", "fused_mxfp8"} and all(r["median_ms"] > 0 for r in rows.values())
+    # fc1's input is saved as FP8 data and E8M0 scales instead of bfloat16
+    assert 0 < results["saved_bytes"]["fused_mxfp8"] < results["saved_bytes"]["fused"]
+
+
+@pytest.mark.parametrize("flags", [["--compile"], ["--no-compile"], ["--moe-ep"]])
+def test_bench_recipe_refuses_the_flags_it_does_not_read(capsys, monkeypatch, flags):
+    monkeypatch.setattr(bench, "run_recipe_bench", lambda *a, **k: pytest.fail("the bench ran"))
+    line = _usage_error(capsys, ["bench", "--recipe", "rowwise", "--small", *flags])
+    assert "--recipe does not take" in line
+    assert (flags[0] if flags[0] != "--no-compile" else "--compile") in line
+
+
+def test_bench_recipe_refuses_unknown_recipes_and_hf(capsys, monkeypatch):
+    from fusible_ops.cli import hf_bench
+
+    line = _usage_error(capsys, ["bench", "--recipe", "fp4"])
+    assert "argument --recipe: invalid choice: 'fp4'" in line and "mxfp8" in line
+    monkeypatch.setattr(hf_bench, "run_hf_bench", lambda *a, **k: pytest.fail("the bench ran"))
+    line = _usage_error(capsys, ["bench", "--hf", "mixtral", "--recipe", "mxfp8"])
+    assert "--hf does not take --recipe" in line
+    args = build_parser().parse_args(["bench", "--small"])
+    args.recipe = "fp4"  # bench.main() called directly
+    with pytest.raises(
+        UsageError, match=r"--recipe 'fp4': choose one of mxfp8, tensorwise, rowwise, blockwise"
+    ):
+        bench.main(args)
+
+
+def test_bench_recipe_help_states_its_default_and_the_emulation(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--recipe {mxfp8,tensorwise,rowwise,blockwise}" in out
+    assert "the quantization is emulated" in out and "refuses --compile and --moe-ep (default: none)" in out

@@ -174,7 +174,9 @@ def test_changing_an_ops_configuration_recompiles_with_the_new_math():
     x, probs, splits = inputs()
     before = compiled(x, splits, probs, splits).detach()
     assert counter.frame_count == 1
-    seq[1].spec = ActivationSpec("clamped_swiglu", limit=0.05)  # clamps hard: changes the result
+    with pytest.raises(AttributeError, match="fixed at construction"):
+        seq[1].spec = ActivationSpec("clamped_swiglu", limit=0.05)
+    seq[1] = fo.ScaledClampedSwiGLU(limit=0.05)  # a new op that clamps hard: changes the result
     assert_equal_to_eager(compiled, seq, x, probs, splits)
     assert counter.frame_count > 1  # recompiled (a changed float is traced twice in torch 2.13)
     assert not torch.allclose(before, compiled(x, splits, probs, splits))

@@ -13,6 +13,7 @@ import torch
 from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, fixed_at_construction
 from ..kernels.activation import ActivationSpec, activation_backward, activation_forward
 from ..kernels.signature_checks import signature_fixes_kernel_args
+from .activation_docs import gated_doc
 
 
 def check_activation_input(op_name: str, spec: ActivationSpec, meta: TensorMeta) -> TensorMeta:
@@ -47,6 +48,36 @@ class SpecAttributes:
     alpha = _spec_field("alpha")
     glu_linear_offset = _spec_field("glu_linear_offset")
     glu_interleave_size = _spec_field("glu_interleave_size")
+
+
+class GatedOptions:
+    """The constructor of the gated ops whose only option is ``glu_interleave_size``."""
+
+    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+
+
+class ClampedOptions:
+    """The constructor and ``repr`` of the clamped SwiGLU ops (plain and scaled)."""
+
+    def __init__(
+        self,
+        limit: float = 7.0,
+        alpha: float = 1.702,
+        glu_linear_offset: float = 1.0,
+        glu_interleave_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            glu_interleave_size=glu_interleave_size,
+            limit=limit,
+            alpha=alpha,
+            glu_linear_offset=glu_linear_offset,
+        )
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        text = f"limit={s.limit}, alpha={s.alpha}, glu_linear_offset={s.glu_linear_offset}"
+        return text + (f", glu_interleave_size={s.glu_interleave_size}" if s.glu_interleave_size else "")
 
 
 class Activation(SpecAttributes, BasicOperation):
@@ -85,8 +116,8 @@ class ReLU(Activation):
     """``y = max(x, 0)``, elementwise.
 
     Shape:
-        - input: ``[..., n]``, floating point.
-        - output: ``[..., n]``, the input's dtype.
+        input: ``[..., n]``, floating point.
+        output: ``[..., n]``, the input's dtype.
     """
 
     kind = "relu"
@@ -101,8 +132,8 @@ class GELU(Activation):
     ``y = 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))``, elementwise.
 
     Shape:
-        - input: ``[..., n]``, floating point.
-        - output: ``[..., n]``, the input's dtype.
+        input: ``[..., n]``, floating point.
+        output: ``[..., n]``, the input's dtype.
     """
 
     kind = "gelu"
@@ -116,8 +147,8 @@ class SiLU(Activation):
     """``y = x * sigmoid(x)``, elementwise.
 
     Shape:
-        - input: ``[..., n]``, floating point.
-        - output: ``[..., n]``, the input's dtype.
+        input: ``[..., n]``, floating point.
+        output: ``[..., n]``, the input's dtype.
     """
 
     kind = "silu"
@@ -131,8 +162,8 @@ class SReLU(Activation):
     """Squared ReLU: ``y = relu(x) ** 2``, elementwise.
 
     Shape:
-        - input: ``[..., n]``, floating point.
-        - output: ``[..., n]``, the input's dtype.
+        input: ``[..., n]``, floating point.
+        output: ``[..., n]``, the input's dtype.
     """
 
     kind = "srelu"
@@ -142,111 +173,28 @@ class SReLU(Activation):
 
 
 @signature_fixes_kernel_args
-class SwiGLU(Activation):
-    """``y = silu(gate) * linear``, a gated linear unit over the last dim.
-
-    Args:
-        glu_interleave_size: how the last dim splits into gate and linear parts.
-            ``None`` (default): the first half is the gate, the second half the
-            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
-            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
-
-    Shape:
-        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
-          of ``2 * glu_interleave_size`` when that is set).
-        - output: ``[..., n]``, the input's dtype.
-    """
-
+@gated_doc("""``y = silu(gate) * linear``, a gated linear unit over the last dim.""")
+class SwiGLU(GatedOptions, Activation):
     kind = "swiglu"
 
-    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
-
 
 @signature_fixes_kernel_args
-class GEGLU(Activation):
-    """``y = gelu_tanh(gate) * linear``, a gated linear unit over the last dim.
-
-    Args:
-        glu_interleave_size: how the last dim splits into gate and linear parts.
-            ``None`` (default): the first half is the gate, the second half the
-            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
-            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
-
-    Shape:
-        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
-          of ``2 * glu_interleave_size`` when that is set).
-        - output: ``[..., n]``, the input's dtype.
-    """
-
+@gated_doc("""``y = gelu_tanh(gate) * linear``, a gated linear unit over the last dim.""")
+class GEGLU(GatedOptions, Activation):
     kind = "geglu"
 
-    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
-
 
 @signature_fixes_kernel_args
-class ReGLU(Activation):
-    """``y = relu(gate) * linear``, a gated linear unit over the last dim.
-
-    Args:
-        glu_interleave_size: how the last dim splits into gate and linear parts.
-            ``None`` (default): the first half is the gate, the second half the
-            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
-            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
-
-    Shape:
-        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
-          of ``2 * glu_interleave_size`` when that is set).
-        - output: ``[..., n]``, the input's dtype.
-    """
-
+@gated_doc("""``y = relu(gate) * linear``, a gated linear unit over the last dim.""")
+class ReGLU(GatedOptions, Activation):
     kind = "reglu"
 
-    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
-
 
 @signature_fixes_kernel_args
-class ClampedSwiGLU(Activation):
+@gated_doc(
     """GPT-OSS style clamped SwiGLU: ``g = min(gate, limit)``,
-    ``l = clamp(linear, -limit, limit)``, ``y = g * sigmoid(alpha * g) * (l + glu_linear_offset)``.
-
-    Args:
-        limit: clamp bound, a positive number (``float("inf")``: no clamping). Default: 7.0.
-        alpha: sigmoid slope, a finite number. Default: 1.702.
-        glu_linear_offset: added to the clamped linear part, a finite number. Default: 1.0.
-        glu_interleave_size: how the last dim splits into gate and linear parts.
-            ``None`` (default): the first half is the gate, the second half the
-            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
-            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
-
-    Shape:
-        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
-          of ``2 * glu_interleave_size`` when that is set).
-        - output: ``[..., n]``, the input's dtype.
-
-    Raises:
-        ValueError: an option outside the ranges above.
-    """
-
+    ``l = clamp(linear, -limit, limit)``, ``y = g * sigmoid(alpha * g) * (l + glu_linear_offset)``.""",
+    clamped=True,
+)
+class ClampedSwiGLU(ClampedOptions, Activation):
     kind = "clamped_swiglu"
-
-    def __init__(
-        self,
-        limit: float = 7.0,
-        alpha: float = 1.702,
-        glu_linear_offset: float = 1.0,
-        glu_interleave_size: int | None = None,
-    ) -> None:
-        super().__init__(
-            glu_interleave_size=glu_interleave_size,
-            limit=limit,
-            alpha=alpha,
-            glu_linear_offset=glu_linear_offset,
-        )
-
-    def extra_repr(self) -> str:
-        s = self.spec
-        text = f"limit={s.limit}, alpha={s.alpha}, glu_linear_offset={s.glu_linear_offset}"
-        return text + (f", glu_interleave_size={s.glu_interleave_size}" if s.glu_interleave_size else "")

@@ -23,9 +23,9 @@ class Linear(Sequential):
         dtype: the parameters' dtype. Default: torch's default dtype.
 
     Shape:
-        - input: ``[..., in_features]``, floating point, the weight's dtype (any floating
-          dtype but float64 under autocast) and device.
-        - output: ``[..., out_features]``.
+        input: ``[..., in_features]``, floating point, the weight's dtype (any floating
+            dtype but float64 under autocast) and device.
+        output: ``[..., out_features]``.
     """
 
     def __init__(

@@ -16,8 +16,8 @@ class Dropout(BasicOperation):
         p: the probability of zeroing an element, in ``[0, 1)``. Default: 0.5.
 
     Shape:
-        - input: ``[*]``, any shape.
-        - output: ``[*]``, same shape as the input.
+        input: ``[*]``, any shape.
+        output: ``[*]``, same shape as the input.
 
     Raises:
         ValueError: ``p`` outside ``[0, 1)``.

@@ -13,10 +13,10 @@ class AddExtraInput(BasicOperation):
     Takes no constructor arguments.
 
     Shape:
-        - input: ``[*]``, any shape.
-        - extra input ``extra``: ``[*]``, the input's shape, dtype and device; its
-          gradient is returned too.
-        - output: ``[*]``, same shape as the input.
+        input: ``[*]``, any shape.
+        extra: extra input, ``[*]``, the input's shape, dtype and device; its
+            gradient is returned too.
+        output: ``[*]``, same shape as the input.
     """
 
     num_extra_inputs = 1
@@ -53,9 +53,9 @@ class MakeExtraOutput(BasicOperation):
     backward, the gradient of the extra output is added to the input's gradient.
 
     Shape:
-        - input: ``[*]``, any shape.
-        - output: ``[*]``, the input itself.
-        - extra output: ``[*]``, the input itself.
+        input: ``[*]``, any shape.
+        output: ``[*]``, the input itself.
+        extra output: ``[*]``, the input itself.
     """
 
     num_extra_outputs = 1

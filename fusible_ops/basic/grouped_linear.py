@@ -134,9 +134,9 @@ class GroupedLinear(BasicOperation):
             layout in place; :meth:`weight_out_in` is the ``[G, N, K]`` view.
 
     Shape:
-        - input: ``[..., K]``, the leading dims are token rows, sorted by group.
-        - extra input ``split_sizes``: ``[G]`` int tensor on any device, or a list of ints.
-        - output: ``[..., N]``.
+        input: ``[..., K]``, the leading dims are token rows, sorted by group.
+        split_sizes: extra input, ``[G]`` int tensor on any device, or a list of ints.
+        output: ``[..., N]``.
 
     ``op_kwargs``: ``output`` (buffer for the result, ``[>= rows, N]``) and ``grad_input``
     (buffer for the input gradient, ``[>= rows, K]``).

@@ -36,9 +36,9 @@ class BasicLinear(BasicOperation):
         dtype: the weight's dtype. Default: torch's default dtype.
 
     Shape:
-        - input: ``[..., in_features]``, floating point, the weight's dtype (any floating
-          dtype but float64 under autocast) and device.
-        - output: ``[..., out_features]``, the input's dtype (autocast's under autocast).
+        input: ``[..., in_features]``, floating point, the weight's dtype (any floating
+            dtype but float64 under autocast) and device.
+        output: ``[..., out_features]``, the input's dtype (autocast's under autocast).
     """
 
     param_names = ("weight",)
@@ -153,8 +153,8 @@ class Bias(BasicOperation):
         dtype: the bias's dtype. Default: torch's default dtype.
 
     Shape:
-        - input: ``[..., features]``.
-        - output: ``[..., features]``.
+        input: ``[..., features]``.
+        output: ``[..., features]``.
     """
 
     param_names = ("bias",)

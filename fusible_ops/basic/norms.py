@@ -64,8 +64,8 @@ class RMSNorm(_Norm):
         dtype: the parameter's dtype. Default: torch's default dtype.
 
     Shape:
-        - input: ``[..., normalized_shape]``, floating point, on the weight's device.
-        - output: ``[..., normalized_shape]``, same shape as the input.
+        input: ``[..., normalized_shape]``, floating point, on the weight's device.
+        output: ``[..., normalized_shape]``, same shape as the input.
     """
 
     param_names = ("weight",)
@@ -94,8 +94,8 @@ class LayerNorm(_Norm):
         dtype: the parameters' dtype. Default: torch's default dtype.
 
     Shape:
-        - input: ``[..., normalized_shape]``, floating point, on the parameters' device.
-        - output: ``[..., normalized_shape]``, same shape as the input.
+        input: ``[..., normalized_shape]``, floating point, on the parameters' device.
+        output: ``[..., normalized_shape]``, same shape as the input.
     """
 
     param_names = ("weight", "bias")

@@ -17,8 +17,8 @@ class ConstantScale(BasicOperation):
         scale: the factor, converted to a Python float (not a parameter).
 
     Shape:
-        - input: ``[*]``, any shape.
-        - output: ``[*]``, same shape as the input.
+        input: ``[*]``, any shape.
+        output: ``[*]``, same shape as the input.
     """
 
     def __init__(self, scale: float) -> None:
@@ -43,11 +43,11 @@ class Scale(BasicOperation):
     weights after fc2 (``fo.MoE(..., scale_after_fc2=True)``).
 
     Shape:
-        - input: ``[..., n]``.
-        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
-          values, e.g. ``[rows]`` or ``[rows, 1]``), any floating dtype, on the input's
-          device; its gradient is returned too.
-        - output: ``[..., n]``, the input's dtype.
+        input: ``[..., n]``.
+        scales: extra input, one value per token row (``prod(input.shape[:-1])``
+            values, e.g. ``[rows]`` or ``[rows, 1]``), any floating dtype, on the input's
+            device; its gradient is returned too.
+        output: ``[..., n]``, the input's dtype.
     """
 
     num_extra_inputs = 1

@@ -16,7 +16,8 @@ from ..core.shapes import as_flat, as_rows
 from ..kernels.activation import ActivationSpec, scaled_activation_backward, scaled_activation_forward
 from ..kernels.grouped_checks import check_row_scales
 from ..kernels.signature_checks import signature_fixes_kernel_args
-from .activations import SpecAttributes, check_activation_input
+from .activation_docs import gated_doc
+from .activations import ClampedOptions, GatedOptions, SpecAttributes, check_activation_input
 
 
 def check_op_row_scales(op_name: str, scales: object, meta: TensorMeta) -> None:
@@ -74,99 +75,35 @@ class ScaledActivation(SpecAttributes, BasicOperation):
 
 
 @signature_fixes_kernel_args
-class ScaledSwiGLU(ScaledActivation):
+@gated_doc(
     """``y = silu(gate) * linear * scales[:, None]``: :class:`~fusible_ops.SwiGLU` times
-    one scale per token row.
-
-    Args:
-        glu_interleave_size: how the last dim splits into gate and linear parts.
-            ``None`` (default): the first half is the gate, the second half the
-            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
-            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
-
-    Shape:
-        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
-          of ``2 * glu_interleave_size`` when that is set).
-        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
-          values, e.g. ``[rows]`` or ``[rows, 1]``), floating point (may be fp32 with a
-          bf16 input), on the input's device; its gradient is returned too.
-        - output: ``[..., n]``, the input's dtype.
-    """
-
+    one scale per token row.""",
+    scaled=True,
+)
+class ScaledSwiGLU(GatedOptions, ScaledActivation):
     kind = "swiglu"
 
-    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
-
 
 @signature_fixes_kernel_args
-class ScaledGEGLU(ScaledActivation):
+@gated_doc(
     """``y = gelu_tanh(gate) * linear * scales[:, None]``: :class:`~fusible_ops.GEGLU`
-    times one scale per token row.
-
-    Args:
-        glu_interleave_size: how the last dim splits into gate and linear parts.
-            ``None`` (default): the first half is the gate, the second half the
-            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
-            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
-
-    Shape:
-        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
-          of ``2 * glu_interleave_size`` when that is set).
-        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
-          values, e.g. ``[rows]`` or ``[rows, 1]``), floating point (may be fp32 with a
-          bf16 input), on the input's device; its gradient is returned too.
-        - output: ``[..., n]``, the input's dtype.
-    """
-
+    times one scale per token row.""",
+    scaled=True,
+)
+class ScaledGEGLU(GatedOptions, ScaledActivation):
     kind = "geglu"
 
-    def __init__(self, *, glu_interleave_size: int | None = None) -> None:
-        super().__init__(glu_interleave_size=glu_interleave_size)
-
 
 @signature_fixes_kernel_args
-class ScaledClampedSwiGLU(ScaledActivation):
+@gated_doc(
     """:class:`~fusible_ops.ClampedSwiGLU` times one scale per token row:
     ``y = g * sigmoid(alpha * g) * (l + glu_linear_offset) * scales[:, None]`` with
-    ``g = min(gate, limit)``, ``l = clamp(linear, -limit, limit)``.
-
-    Args:
-        limit: clamp bound, a positive number (``float("inf")``: no clamping). Default: 7.0.
-        alpha: sigmoid slope, a finite number. Default: 1.702.
-        glu_linear_offset: added to the clamped linear part, a finite number. Default: 1.0.
-        glu_interleave_size: how the last dim splits into gate and linear parts.
-            ``None`` (default): the first half is the gate, the second half the
-            linear part. ``k`` (a positive int): alternating blocks of ``k`` gate
-            columns and ``k`` linear columns (``k=1``: GPT-OSS's interleaved layout).
-
-    Shape:
-        - input: ``[..., 2 * n]``, floating point; the last dim must be even (a multiple
-          of ``2 * glu_interleave_size`` when that is set).
-        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
-          values, e.g. ``[rows]`` or ``[rows, 1]``), floating point (may be fp32 with a
-          bf16 input), on the input's device; its gradient is returned too.
-        - output: ``[..., n]``, the input's dtype.
-
-    Raises:
-        ValueError: an option outside the ranges above.
-    """
-
+    ``g = min(gate, limit)``, ``l = clamp(linear, -limit, limit)``.""",
+    scaled=True,
+    clamped=True,
+)
+class ScaledClampedSwiGLU(ClampedOptions, ScaledActivation):
     kind = "clamped_swiglu"
-
-    def __init__(
-        self,
-        limit: float = 7.0,
-        alpha: float = 1.702,
-        glu_linear_offset: float = 1.0,
-        glu_interleave_size: int | None = None,
-    ) -> None:
-        super().__init__(
-            glu_interleave_size=glu_interleave_size,
-            limit=limit,
-            alpha=alpha,
-            glu_linear_offset=glu_linear_offset,
-        )
 
 
 @signature_fixes_kernel_args
@@ -175,11 +112,11 @@ class ScaledSReLU(ScaledActivation):
     per token row.
 
     Shape:
-        - input: ``[..., n]``, floating point.
-        - extra input ``scales``: one value per token row (``prod(input.shape[:-1])``
-          values, e.g. ``[rows]`` or ``[rows, 1]``), floating point (may be fp32 with a
-          bf16 input), on the input's device; its gradient is returned too.
-        - output: ``[..., n]``, the input's dtype.
+        input: ``[..., n]``, floating point.
+        scales: extra input, one value per token row (``prod(input.shape[:-1])``
+            values, e.g. ``[rows]`` or ``[rows, 1]``), floating point (may be fp32 with a
+            bf16 input), on the input's device; its gradient is returned too.
+        output: ``[..., n]``, the input's dtype.
     """
 
     kind = "srelu"

@@ -13,8 +13,8 @@ class Identity(BasicOperation):
     """``y = x``: passes its input on unchanged.
 
     Shape:
-        - input: ``[*]``, any shape.
-        - output: ``[*]``, the input itself.
+        input: ``[*]``, any shape.
+        output: ``[*]``, the input itself.
     """
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
@@ -32,8 +32,8 @@ class Reshape(BasicOperation):
             (inferred from the input's number of elements).
 
     Shape:
-        - input: ``[*]``, any shape with as many elements as ``shape`` allows.
-        - output: ``shape``, with the ``-1`` entry filled in.
+        input: ``[*]``, any shape with as many elements as ``shape`` allows.
+        output: ``shape``, with the ``-1`` entry filled in.
     """
 
     def __init__(self, shape: tuple[int, ...] | list[int]) -> None:

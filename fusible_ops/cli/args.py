@@ -16,6 +16,7 @@ import torch
 
 from .options import (  # noqa: F401  (UsageError and positive_int are imported from here too)
     BENCH_DTYPES,
+    BENCH_RECIPES,
     DEFAULT_REPEATS,
     DEFAULT_WARMUP,
     SMALL_REPEATS,
@@ -51,6 +52,8 @@ class BenchConfig:
     warmup: int
     compile_variants: bool
     progress: bool
+    #: ``--recipe``: a name of :data:`BENCH_RECIPES`, or None (the usual variants)
+    recipe: str | None = None
 
 
 def check_device(text: str) -> torch.device:
@@ -124,6 +127,16 @@ def _check_plan(config: BenchConfig) -> None:
         raise UsageError(
             f"this problem cannot run with --backend {config.backend}: {one_line(error)}"
         ) from None
+    if config.recipe is not None:
+        from .bench import make_recipe
+
+        try:
+            with fo.settings(backend=config.backend), fo.quantized(make_recipe(config.recipe)):
+                p.experts.explain(p.x.detach().requires_grad_(), p.splits_tensor, p.probs, p.splits_tensor)
+        except (ValueError, TypeError, RuntimeError) as error:
+            raise UsageError(
+                f"this problem cannot run under --recipe {config.recipe}: {one_line(error)}"
+            ) from None
 
 
 def check_output_path(flag: str, path: str | None) -> None:
@@ -147,6 +160,13 @@ HF_REFUSED_FLAGS = {
     "--compile": lambda a: a.compile is not None,
     "--plot": lambda a: a.plot is not None,
     "--moe-ep": lambda a: a.moe_ep,
+    "--recipe": lambda a: getattr(a, "recipe", None) is not None,
+}
+
+#: the ``bench`` flags ``--recipe`` does not read (it times two eager variants)
+RECIPE_REFUSED_FLAGS = {
+    "--compile": lambda a: a.compile is not None,
+    "--moe-ep": lambda a: a.moe_ep,
 }
 
 
@@ -167,6 +187,16 @@ def check_bench_args(args: argparse.Namespace) -> BenchConfig:
     """Every ``bench`` argument checked before any heavy work; a bad one raises :class:`UsageError`."""
     from .options import DEFAULT_SHAPE, SMALL_SHAPE, Shape
 
+    recipe = getattr(args, "recipe", None)
+    if recipe is not None:
+        if recipe not in BENCH_RECIPES:  # argparse's choices refuse it; bench.main() may be called directly
+            raise UsageError(f"--recipe {recipe!r}: choose one of {', '.join(BENCH_RECIPES)}")
+        given = [flag for flag, is_given in RECIPE_REFUSED_FLAGS.items() if is_given(args)]
+        if given:
+            raise UsageError(
+                f"--recipe does not take {', '.join(given)}: it times the fused block eagerly, "
+                "unquantized and under the recipe"
+            )
     shape = SMALL_SHAPE if args.small else DEFAULT_SHAPE
     overrides = {}
     for name in ("experts", "hidden", "ffn", "rows"):
@@ -186,7 +216,8 @@ def check_bench_args(args: argparse.Namespace) -> BenchConfig:
     device = check_device(args.device if args.device is not None else "cpu")
     backend = args.backend if args.backend is not None else "auto"
     check_backend(backend, device, dtype)
-    _check_alignment(shape, dtype)
+    if recipe is None:  # --recipe runs no grouped_mm variant
+        _check_alignment(shape, dtype)
     check_output_path("--json", args.json)
     check_output_path("--plot", args.plot)
     if args.plot is not None:
@@ -203,8 +234,9 @@ def check_bench_args(args: argparse.Namespace) -> BenchConfig:
         backend=backend,
         repeats=repeats,
         warmup=SMALL_WARMUP if args.small else DEFAULT_WARMUP,
-        compile_variants=args.small if args.compile is None else args.compile,
+        compile_variants=(args.small if args.compile is None else args.compile) and recipe is None,
         progress=True if args.progress is None else args.progress,
+        recipe=recipe,
     )
     _check_plan(config)
     return config

@@ -11,6 +11,13 @@ from dataclasses import dataclass
 
 BENCH_DTYPES = ("bfloat16", "float16", "float32")
 HF_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
+#: ``bench --recipe`` names -> the ``fusible_ops.recipes`` class each runs, default options
+BENCH_RECIPES = {
+    "mxfp8": "MXFP8",
+    "tensorwise": "Float8Tensorwise",
+    "rowwise": "Float8Rowwise",
+    "blockwise": "Float8Blockwise",
+}
 
 #: timed rounds of ``bench``: the full shape, ``--small`` (tiny calls on a shared machine
 #: need many) and ``--hf``

@@ -100,7 +100,12 @@ def _load_providers() -> None:
 
 
 def current_settings() -> Settings:
-    """The settings in force on this thread."""
+    """The settings in force on this thread.
+
+    Returns:
+        The :class:`~fusible_ops.Settings` of the innermost :func:`~fusible_ops.settings`
+        block on this thread, or the defaults outside any.
+    """
     return _STATE.stack[-1]
 
 
@@ -112,8 +117,33 @@ THREAD_SETTINGS = _STATE
 def settings(**changes: object) -> Iterator[Settings]:
     """Override settings inside a ``with`` block (thread-local, nestable).
 
-    Unknown names and values of the wrong type (``fusion="false"``, ``fusion=0``,
-    ``fusion=None``) raise ``TypeError``; ``backend`` is checked against the registry.
+    Settings not named keep their current values; the previous settings come back when
+    the block exits. Fusion plans are cached per settings value.
+
+    >>> import fusible_ops as fo
+    >>> with fo.settings(fusion=False, backend="auto") as active:
+    ...     pass  # everything in here runs unfused
+
+    Args:
+        fusion: a bool: whether fusion rules apply at all (default True).
+        backend: a str: the grouped-GEMM backend, ``"auto"`` (default) or a name that
+            ``python -m fusible_ops info`` lists.
+        triton_autotune: a bool: whether the Triton backend autotunes its tile
+            configurations (default True); else it takes the first one.
+        recipe: a ``fusible_ops.recipes`` recipe or None (default): the low-precision
+            recipe (:func:`fusible_ops.quantized` sets it).
+        recipe_backend: a str: how quantized GEMMs run: ``"auto"`` (default),
+            ``"emulation"``, ``"scaled_mm"`` or ``"scaled_grouped_mm"``.
+
+    Returns:
+        A context manager; ``with fo.settings(...) as active`` binds ``active`` to the
+        :class:`~fusible_ops.Settings` in force inside the block.
+
+    Raises:
+        TypeError: an unknown setting name, or a value of the wrong type (exactly
+            ``bool`` or ``str``: ``fusion="false"``, ``fusion=0`` and ``fusion=None``
+            are refused).
+        ValueError: a ``backend`` or ``recipe_backend`` name that is not registered.
     """
     known = {f.name for f in dataclasses.fields(Settings)}
     unknown = sorted(set(changes) - known)

@@ -39,8 +39,28 @@ SUPPORTED_ACTIVATIONS = EXPERT_BLOCK_KINDS  # read from the activation table
 class GroupedMLP(FusedOperation):
     """fc1 -> (scaled) activation -> fc2 (-> Scale), computed by one kernel backend.
 
-    ``scale_after_fc2`` selects the second pattern. The backend choice (``choice``;
-    ``backend`` is its name) is fixed when the plan is made and is what runs.
+    The fuser builds it (rules ``grouped_mlp`` and ``grouped_mlp_scale_after_fc2``) for
+    ``GroupedLinear -> Scaled{SwiGLU,GEGLU,ClampedSwiGLU,SReLU} -> GroupedLinear`` or
+    ``GroupedLinear -> {SwiGLU,GEGLU,ClampedSwiGLU,SReLU} -> GroupedLinear -> Scale``;
+    it uses those ops' parameters and gives their results. The backend choice
+    (``choice``; ``backend`` is its name) is fixed when the plan is made and is what runs.
+
+    Args:
+        basic_ops: the window's ops: fc1 (``GroupedLinear``), the activation, fc2
+            (``GroupedLinear``) and, with ``scale_after_fc2``, ``Scale``.
+        choice: the kernel backend (a ``BackendChoice`` from ``select_backend``).
+        scale_after_fc2: True for the second pattern (routing weights applied after fc2
+            and its bias), False for the first.
+        quantized: how the GEMMs run under a low-precision recipe, or None (default):
+            unquantized.
+
+    Shape:
+        input: ``[..., K]`` (fc1's ``in_features``), token rows sorted by group.
+        extra inputs: in op order, ``split_sizes`` ``[G]`` (fc1), ``scales``
+            (one per row, e.g. ``[rows]``; the scaled activation), ``split_sizes`` ``[G]``
+            (fc2, the same as fc1's); with ``scale_after_fc2``: ``split_sizes``, nothing,
+            ``split_sizes``, ``scales``.
+        output: ``[..., H]`` (fc2's ``out_features``).
     """
 
     def __init__(

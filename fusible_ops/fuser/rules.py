@@ -49,6 +49,20 @@ def register_fusion(rule: RuleFn, *, kind: str, prepend: bool = False) -> RuleFn
     returns must cover each basic op once, in order (checked). ``prepend=True`` runs it
     before the rules already registered. Plans made before registration are discarded
     (the fuser re-plans).
+
+    Args:
+        rule: a callable ``rule(entries, context) -> entries`` over the plan's entries
+            and a :class:`~fusible_ops.FusionContext`, e.g. from
+            :func:`~fusible_ops.window_rule`. Registering it again moves it.
+        kind: ``"forward"``, ``"backward"`` or ``"joint"``.
+        prepend: run it before the rules already registered of its kind. Default: False.
+
+    Returns:
+        ``rule`` itself (so that it can decorate a function).
+
+    Raises:
+        ValueError: ``kind`` is not one of the three.
+        TypeError: ``rule`` is not callable.
     """
     if kind not in FUSION_KINDS:
         raise ValueError(f"register_fusion: kind must be one of {FUSION_KINDS}, got {kind!r}")
@@ -72,6 +86,9 @@ def unregister_fusion(rule: RuleFn) -> None:
     """Remove ``rule`` from every kind it is registered under (a no-op if it is not).
 
     Plans made while it was registered are discarded (the fuser re-plans).
+
+    Args:
+        rule: the callable given to :func:`~fusible_ops.register_fusion`.
     """
     for rules in _RULES.values():
         if rule in rules:
@@ -164,6 +181,28 @@ def window_rule(name: str, pattern: Sequence[type | tuple[type, ...]], build: Bu
     matched the pattern but was declined is logged with the reason ``build`` gave.
     ``pattern`` holds one basic-op class (or a tuple of them, any of which matches) per
     op of the window; a bad name, pattern or ``build`` raises here, naming the argument.
+
+    Args:
+        name: the rule's name, a non-empty str: the plan's decisions show it, and it
+            becomes the rule's ``__name__``.
+        pattern: a non-empty sequence with one entry per op of the window: a
+            :class:`~fusible_ops.BasicOperation` subclass, or a tuple of them (any of
+            which matches); ops match by ``isinstance``.
+        build: ``build(context, ops, first_index)``: ``context`` the
+            :class:`~fusible_ops.FusionContext`, ``ops`` the window's basic ops,
+            ``first_index`` the first op's position in the group. It returns the
+            :class:`~fusible_ops.FusedOperation` that replaces the window, or a
+            non-empty str: the reason to decline, logged in the plan.
+
+    Returns:
+        The rule, ``rule(entries, context) -> entries``, to pass to
+        :func:`~fusible_ops.register_fusion`.
+
+    Raises:
+        TypeError: ``name`` is not a non-empty str, ``pattern`` not a sequence of
+            basic-op classes (or tuples of them), or ``build`` not callable; at run
+            time, ``build`` returned neither a fused op nor a non-empty str.
+        ValueError: ``pattern`` is empty.
     """
     pattern = _checked_pattern(name, pattern, build)
 

@@ -27,11 +27,29 @@ if TYPE_CHECKING:
 class Sequential(torch.nn.Module):
     """Container of modules run in order; consecutive basic ops form one fuser group.
 
-    ``forward(input, *extra_inputs, op_kwargs=None)``: extra inputs are consumed in op
-    order by the ops that declare them; ``op_kwargs`` maps an op (the module object or
-    its index, negative allowed) to a dict of kwargs for it. Any other ``nn.Module``
-    is a group of its own and receives only the main tensor. When ops produce extra
-    outputs, the return is ``(output, *extra_outputs)``.
+    Like ``torch.nn.Sequential``, but each run of basic ops (``fusible_ops`` ops) goes
+    through an :class:`~fusible_ops.OperationFuser`, which fuses them where a rule
+    applies. Any other ``nn.Module`` is a group of its own and receives only the main
+    tensor. ``forward(input, *extra_inputs, op_kwargs=None)``: extra inputs are consumed
+    in op order by the ops that declare them; ``op_kwargs`` maps an op (the module
+    object or its index, negative allowed) to a dict of kwargs for it.
+
+    Args:
+        *modules: the modules, in the order they run.
+        recipe: the low-precision recipe of this Sequential's ops (a
+            ``fusible_ops.recipes`` recipe), or None (default) to follow the
+            :func:`fusible_ops.quantized` context; settable later as ``seq.recipe``.
+
+    Shape:
+        input: what the first module takes, e.g. ``[*, in]``.
+        extra inputs: those the ops declare, in op order (e.g. ``split_sizes`` ``[E]``
+            for a :class:`~fusible_ops.GroupedLinear`, ``scales`` ``[N]`` for a scaled
+            activation).
+        output: what the last module returns, e.g. ``[*, out]``; ``(output,
+            *extra_outputs)`` when ops produce extra outputs.
+
+    Raises:
+        TypeError: a module that is not an ``nn.Module``, or ``recipe`` that is not a recipe.
     """
 
     #: which global experts this Sequential holds when it is the experts block of an
@@ -112,7 +130,14 @@ class Sequential(torch.nn.Module):
         return self
 
     def pop(self, index: int = -1) -> torch.nn.Module:
-        """Remove the module at ``index`` and return it."""
+        """Remove the module at ``index`` (default: the last; negative counts from the end).
+
+        Returns:
+            The removed module.
+
+        Raises:
+            IndexError: ``index`` is out of range.
+        """
         modules = self._module_list()
         module = modules.pop(index)
         self._reset_modules(modules)
@@ -318,8 +343,11 @@ class Sequential(torch.nn.Module):
 
         Raises:
             ValueError: a call that an op refuses (shapes, dtypes, devices, split sizes,
-                overlapping buffers), before anything is computed or written.
-            TypeError: an ``op_kwargs`` key that no op accepts, or a wrong number of extra inputs.
+                overlapping buffers), a wrong number of extra inputs, or an ``op_kwargs``
+                key that names no fusible op of this Sequential; raised before anything is
+                computed or written.
+            TypeError: ``op_kwargs`` (or one of its values) that is not a mapping, or a
+                kwarg that its op does not accept.
         """
         if op_kwargs is None:
             if is_compiling():
@@ -377,6 +405,18 @@ class Sequential(torch.nn.Module):
 
         Validates the call like ``forward`` does. A plain module between fusible
         groups is assumed to keep the shape, dtype and device of its input.
+
+        Args:
+            input: the main tensor, as for :meth:`forward`.
+            *extra_inputs: the extra inputs, as for :meth:`forward`.
+            op_kwargs: per-op keyword arguments, as for :meth:`forward`.
+
+        Returns:
+            A :class:`~fusible_ops.SequentialPlan`: per group, its
+            :class:`~fusible_ops.FusionPlan` (or the plain module's class name).
+
+        Raises:
+            ValueError, TypeError: as :meth:`forward` would for the same call.
         """
         kwargs_by_index = self._resolve_op_kwargs(op_kwargs)
         per_group_extra = self._split_extra_inputs(extra_inputs)

@@ -4,52 +4,27 @@ and optional expert parallelism."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..basic.activations import GEGLU, ClampedSwiGLU, SReLU, SwiGLU
 from ..basic.grouped_linear import GroupedLinear
 from ..basic.linear import BasicLinear
 from ..basic.scale import Scale
-from ..basic.scaled_activations import ScaledClampedSwiGLU, ScaledGEGLU, ScaledSReLU, ScaledSwiGLU
 from ..core.dtypes import compute_dtype
 from ..core.state_dict_checks import check_state_dict
 from ..fuser.sequential import Sequential
-from ..kernels.activation import ACTIVATIONS, EXPERT_BLOCK_KINDS
 from ..recipes.context import check_recipe
 from ..recipes.recipes import Recipe
 from . import balance
 from . import options as opt
-from .options import fixed, per_call
+from .attributes import MOE_ACTIVATIONS, MoEActivation, MoEAttributes  # noqa: F401 (public here)
 from .router import RoutingConfig, route
 from .routing import ExpertPlacement, permute, unpermute
 
 
-class MoEActivation(NamedTuple):
-    """The op classes of one activation kind of the expert block."""
-
-    scaled: type  # the routing weight applied with the activation (before fc2)
-    unscaled: type  # for ``scale_after_fc2`` and the shared experts
-    fc1_factor: int  # fc1 outputs per ffn unit: 2 for gated kinds
-
-
-#: activation name -> its op classes, for every kind of the fused expert block in the
-#: activation table
-MOE_ACTIVATIONS = {
-    scaled.kind: MoEActivation(scaled, unscaled, 2 if ACTIVATIONS[scaled.kind].gated else 1)
-    for scaled, unscaled in (
-        (ScaledSwiGLU, SwiGLU),
-        (ScaledGEGLU, GEGLU),
-        (ScaledClampedSwiGLU, ClampedSwiGLU),
-        (ScaledSReLU, SReLU),
-    )
-    if scaled.kind in EXPERT_BLOCK_KINDS
-}
-
-
-class MoE(nn.Module):
+class MoE(MoEAttributes, nn.Module):
     """Mixture-of-Experts MLP: a drop-in replacement for a transformer MLP.
 
     Per token ``x``, with routing weights ``p_e`` of the top-k experts (docs/moe.md)::
@@ -117,9 +92,10 @@ class MoE(nn.Module):
         balance_group: None (default), a ``torch.distributed`` process group or a 1-D
             ``DeviceMesh``: the balancing statistics are summed over its ranks.
         capacity_factor: None (default: dropless), or a number in ``(0, num_experts]``:
-            each expert keeps at most ``ceil(capacity_factor * T * top_k / E)`` of this
-            rank's ``T`` tokens' rows (first choices first, then token order); the rest
-            are dropped and add nothing.
+            of this rank's ``T`` tokens, each expert keeps at most
+            ``ceil(capacity_factor * T * top_k / E)`` rows (every token's first choice
+            before any second choice, then token order); the rest are dropped and add
+            nothing.
         dtype: the parameters' dtype: None (torch's default), ``torch.float16``,
             ``torch.bfloat16``, ``torch.float32`` or ``torch.float64``.
         device: where the parameters are made. Default: torch's default device.
@@ -135,9 +111,9 @@ class MoE(nn.Module):
             :func:`fusible_ops.quantized` context.
 
     Shape:
-        - input: ``[..., hidden_size]``, a dense floating-point tensor of the parameters'
-          dtype (any floating dtype under autocast), on their device.
-        - output: ``[..., hidden_size]``, the input's shape (and dtype, outside autocast).
+        input: ``[..., hidden_size]``, a dense floating-point tensor of the parameters'
+            dtype (any floating dtype under autocast), on their device.
+        output: ``[..., hidden_size]``, the input's shape (and dtype, outside autocast).
 
     With ``ep_group`` or ``ep_mesh`` (``W`` ranks) rank ``r`` holds experts
     ``[r*L, (r+1)*L)``, ``L = num_experts / W``; tokens travel by all-to-all. With
@@ -162,54 +138,6 @@ class MoE(nn.Module):
         TypeError: ``recipe`` is not a recipe.
         RuntimeError: ``ep_group`` given while ``torch.distributed`` is not initialised.
     """
-
-    hidden_size = fixed("hidden_size", "Input and output features.")
-    ffn_hidden_size = fixed("ffn_hidden_size", "Hidden features of each routed expert.")
-    num_experts = fixed("num_experts", "Routed experts, over all expert-parallel ranks.")
-    num_local_experts = fixed("num_local_experts", "Routed experts on this rank.")
-    top_k = fixed("top_k", "Experts per token.")
-    activation = fixed("activation", "The experts' activation kind.")
-    activation_kwargs = fixed(
-        "activation_kwargs", "The activation's options (a read-only view).",
-        lambda self: opt.read_only_kwargs(self._activation_kwargs),
-    )  # fmt: skip
-    scale_after_fc2 = fixed("scale_after_fc2", "Whether the routing weight scales fc2's output.")
-    load_balancing = fixed("load_balancing", "The balancing mode.")
-    balance_group = fixed("balance_group", "The process group the balancing statistics are summed over.")
-    ep_mesh = fixed("ep_mesh", "The expert-parallel DeviceMesh, or None.")
-    expert_parallel = fixed("expert_parallel", "The ExpertParallel of ``ep_group``/``ep_mesh``, or None.")
-    routing = fixed("routing", "The router's RoutingConfig.")
-    score = fixed("score", "The router's score function.", lambda self: self.routing.score)
-    renormalize = fixed(
-        "renormalize", "Whether the top-k weights sum to 1 per token.", lambda self: self.routing.renormalize
-    )
-    ep_rank = fixed(
-        "ep_rank", "This process's rank in the expert-parallel group (0 without one).",
-        lambda self: 0 if self.expert_parallel is None else self.expert_parallel.rank,
-    )  # fmt: skip
-    ep_size = fixed(
-        "ep_size", "Ranks in the expert-parallel group (1 without one).",
-        lambda self: 1 if self.expert_parallel is None else self.expert_parallel.world_size,
-    )  # fmt: skip
-
-    router_jitter = per_call("router_jitter", lambda self, v: opt.check_jitter(v), "Router input jitter.")
-    aux_loss_coeff = per_call(
-        "aux_loss_coeff", lambda self, v: opt.check_coeff("aux_loss_coeff", v), "Balancing loss scale."
-    )
-    z_loss_coeff = per_call(
-        "z_loss_coeff", lambda self, v: opt.check_coeff("z_loss_coeff", v), "z-loss scale."
-    )
-    bias_update_rate = per_call(
-        "bias_update_rate", lambda self, v: opt.check_coeff("bias_update_rate", v), "aux_free bias step."
-    )
-    aux_loss_in_backward = per_call(
-        "aux_loss_in_backward", lambda self, v: opt.check_flag("aux_loss_in_backward", v),
-        "Whether the scaled losses reach the router in backward.",
-    )  # fmt: skip
-    capacity_factor = per_call(
-        "capacity_factor", lambda self, v: opt.check_capacity(v, self.num_experts),
-        "Per-expert capacity factor, or None (dropless).",
-    )  # fmt: skip
 
     def __init__(
         self,
@@ -299,13 +227,12 @@ class MoE(nn.Module):
             self._expert_parallel = ExpertParallel(num_experts, ep_group)
             num_local_experts = self.expert_parallel.num_local_experts
 
-        self._hidden_size = hidden_size
-        self._ffn_hidden_size = ffn_hidden_size
-        self._num_local_experts = num_local_experts
-        self._top_k = top_k
-        self._activation = activation
-        self._scale_after_fc2 = scale_after_fc2
-        self._load_balancing = load_balancing
+        fixed_values = {
+            "hidden_size": hidden_size, "ffn_hidden_size": ffn_hidden_size, "top_k": top_k,
+            "num_local_experts": num_local_experts, "activation": activation,
+            "scale_after_fc2": scale_after_fc2, "load_balancing": load_balancing,
+        }  # fmt: skip
+        vars(self).update({f"_{name}": value for name, value in fixed_values.items()})
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.last_expert_load: torch.Tensor | None = None
         self.last_dropped_load: torch.Tensor | None = None
@@ -527,26 +454,6 @@ class MoE(nn.Module):
         module's ``load_state_dict`` loads this layer through torch's recursion, without it.)"""
         check_state_dict(self, state_dict, strict, assign)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def extra_repr(self) -> str:
-        parts = [
-            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-            f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation!r}, "
-            f"score={self.routing.score!r}, renormalize={self.routing.renormalize}, ep_size={self.ep_size}"
-        ]
-        if self.routing.expert_groups is not None:
-            parts.append(
-                f"expert_groups={self.routing.expert_groups}, topk_groups={self.routing.topk_groups}"
-            )
-        if self.routing.routed_scaling_factor != 1.0:
-            parts.append(f"routed_scaling_factor={self.routing.routed_scaling_factor}")
-        if self.scale_after_fc2:
-            parts.append("scale_after_fc2=True")
-        if self.load_balancing != "none":
-            parts.append(f"load_balancing={self.load_balancing!r}")
-        if self.capacity_factor is not None:
-            parts.append(f"capacity_factor={self.capacity_factor}")
-        return ", ".join(parts)
 
 
 def _shard_experts(experts: Sequential, mesh: object) -> None:

@@ -19,14 +19,26 @@ from .recipes import Recipe
 def quantized(recipe: Recipe | None, *, backend: str = "auto") -> Iterator[Settings]:
     """Run the GEMMs of every fusible op in the block under ``recipe`` (None: unquantized).
 
-    ``backend``: how the quantized GEMMs run: ``"auto"`` (the device's best), ``"emulation"``
-    (quantize, then fp32 GEMMs on the dequantized values; any device), ``"scaled_mm"``
-    (``torch._scaled_mm`` per group; CPU, tensorwise and rowwise, eager) or
-    ``"scaled_grouped_mm"`` (``torch.nn.functional.scaled_grouped_mm``; CUDA).
+    Thread-local and nestable, like :func:`fusible_ops.settings` (it sets ``recipe`` and
+    ``recipe_backend``). A module's own recipe (``fo.Sequential(..., recipe=...)``,
+    ``fo.MoE(..., recipe=...)``) wins over it.
 
     >>> import fusible_ops as fo
     >>> with fo.quantized(fo.recipes.MXFP8()):
     ...     pass  # GroupedLinear, BasicLinear and GroupedMLP GEMMs run in MXFP8 here
+
+    Args:
+        recipe: a ``fusible_ops.recipes`` recipe (:class:`~fusible_ops.recipes.MXFP8`,
+            :class:`~fusible_ops.recipes.Float8Tensorwise`, ...), or None to run unquantized.
+        backend: how the quantized GEMMs run: ``"auto"`` (default; the device's best),
+            ``"emulation"`` (quantize, then fp32 GEMMs on the dequantized values; any
+            device), ``"scaled_mm"`` (``torch._scaled_mm`` per group; CPU, tensorwise
+            and rowwise, eager) or ``"scaled_grouped_mm"``
+            (``torch.nn.functional.scaled_grouped_mm``; CUDA).
+
+    Returns:
+        A context manager; ``with fo.quantized(...) as active`` binds ``active`` to the
+        :class:`~fusible_ops.Settings` in force inside the block.
 
     Raises:
         TypeError: ``recipe`` is not a recipe.
@@ -41,7 +53,12 @@ def quantized(recipe: Recipe | None, *, backend: str = "auto") -> Iterator[Setti
 
 
 def current_recipe() -> Recipe | None:
-    """The recipe of the innermost ``quantized`` block on this thread (None outside one)."""
+    """The recipe in force on this thread.
+
+    Returns:
+        The recipe of the innermost :func:`~fusible_ops.quantized` (or
+        ``fusible_ops.settings(recipe=...)``) block on this thread, or None outside one.
+    """
     return current_settings().recipe
 
 

@@ -156,7 +156,20 @@ def quantize_rows(
     x: Tensor, recipe: Recipe, kind: str, along: str, group_ends: Tensor | None
 ) -> QuantizedOperand:
     """Token rows ``x`` ``[M, C]`` (activations or gradients, ``kind`` ``"input"`` or ``"grad"``)
-    quantized for contraction ``along`` columns or rows; rows grouped by ``group_ends``."""
+    quantized for contraction ``along`` columns or rows; rows grouped by ``group_ends``.
+
+    Args:
+        x: ``[M, C]``, bfloat16, float16 or float32.
+        recipe: the recipe that gives the tile and the FP8 format.
+        kind: ``"input"`` (activations) or ``"grad"`` (gradients).
+        along: ``ALONG_COLUMNS`` or ``ALONG_ROWS``, the contraction direction.
+        group_ends: int ``[G]``, the inclusive cumulative sums of the groups' row counts
+            (group ``g`` is rows ``[group_ends[g-1], group_ends[g])``; row tiles never
+            cross a group boundary), or None: one group.
+
+    Returns:
+        A :class:`~fusible_ops.recipes.QuantizedOperand`: ``data`` ``[M, C]`` in FP8 and its tile scales.
+    """
     return quantize_2d(x, recipe.tile_for(kind, along), recipe.format_for(kind), recipe, group_ends)
 
 
@@ -167,7 +180,16 @@ def weight_group_ends(num_groups: int, rows_per_group: int, device: torch.device
 
 def quantize_weight(weight: Tensor, recipe: Recipe, along: str) -> QuantizedOperand:
     """A grouped weight ``[G, N, K]`` (or a dense ``[N, K]``) quantized for contraction
-    ``along`` columns (in-features, forward) or rows (out-features, dgrad)."""
+    ``along`` columns (in-features, forward) or rows (out-features, dgrad).
+
+    Args:
+        weight: ``[G, N, K]`` or ``[N, K]``, bfloat16, float16 or float32.
+        recipe: the recipe that gives the tile and the FP8 format.
+        along: ``ALONG_COLUMNS`` or ``ALONG_ROWS``, the contraction direction.
+
+    Returns:
+        A :class:`~fusible_ops.recipes.QuantizedOperand` of the ``[G * N, K]`` view, ``shape`` the weight's.
+    """
     shape = tuple(weight.shape)
     groups = 1 if weight.dim() == 2 else shape[0]
     rows, cols = shape[-2], shape[-1]

@@ -36,7 +36,15 @@ def _check_bool(recipe: object, name: str) -> None:
 
 @dataclass(frozen=True)
 class Recipe:
-    """Base of the recipes. ``wgrad_high_precision``: the weight-gradient GEMMs run unquantized."""
+    """Base of the recipes: how each GEMM operand is quantized (see the subclasses).
+
+    Args:
+        wgrad_high_precision: run the weight-gradient GEMMs unquantized (exactly a
+            ``bool``). Default: False.
+
+    Raises:
+        TypeError: a flag that is not a ``bool``.
+    """
 
     wgrad_high_precision: bool = False
 
@@ -77,9 +85,18 @@ def _along(tile_columns: Tile, along: str) -> Tile:
 class MXFP8(Recipe):
     """OCP MX: blocks of 32 values along the contraction dim, one E8M0 scale each, E4M3 data.
 
-    ``scale_rounding``: ``"rceil"`` (``e = ceil(log2(amax / 448))``, never saturates) or
-    ``"floor"`` (OCP v1.0: ``e = floor(log2(amax)) - 8``, values then saturate to ±448).
     ``amax == 0`` gives ``e = -127``; ``e`` is clamped to ``[-127, 127]``.
+
+    Args:
+        wgrad_high_precision: run the weight-gradient GEMMs unquantized (exactly a
+            ``bool``). Default: False.
+        scale_rounding: how a block's exponent ``e`` is chosen: ``"rceil"`` (default;
+            ``e = ceil(log2(amax / 448))``, never saturates) or ``"floor"`` (OCP v1.0:
+            ``e = floor(log2(amax)) - 8``, values then saturate to ±448).
+
+    Raises:
+        TypeError: ``wgrad_high_precision`` is not a ``bool``.
+        ValueError: ``scale_rounding`` is not ``"rceil"`` or ``"floor"``.
     """
 
     scale_rounding: str = "rceil"
@@ -101,8 +118,17 @@ class MXFP8(Recipe):
 class Float8Tensorwise(Recipe):
     """Current scaling, one fp32 scale ``fmax / amax`` per operand per group (per expert).
 
-    ``fp8_format``: ``"hybrid"`` (E4M3 inputs and weights, E5M2 gradients) or ``"e4m3"``.
-    ``pow2_scales``: round each scale down to a power of two.
+    Args:
+        wgrad_high_precision: run the weight-gradient GEMMs unquantized (exactly a
+            ``bool``). Default: False.
+        fp8_format: ``"hybrid"`` (default; E4M3 inputs and weights, E5M2 gradients) or
+            ``"e4m3"`` (E4M3 everywhere).
+        pow2_scales: round each fp32 scale down to a power of two (exactly a
+            ``bool``). Default: False.
+
+    Raises:
+        TypeError: a flag that is not a ``bool``.
+        ValueError: ``fp8_format`` is not ``"hybrid"`` or ``"e4m3"``.
     """
 
     fp8_format: str = "hybrid"
@@ -127,7 +153,17 @@ class Float8Tensorwise(Recipe):
 @dataclass(frozen=True)
 class Float8Rowwise(Recipe):
     """One fp32 scale per vector along the contraction dim (per token row of activations,
-    per output row of weights in forward), E4M3. ``pow2_scales`` as for tensorwise."""
+    per output row of weights in forward), E4M3 data.
+
+    Args:
+        wgrad_high_precision: run the weight-gradient GEMMs unquantized (exactly a
+            ``bool``). Default: False.
+        pow2_scales: round each fp32 scale down to a power of two (exactly a
+            ``bool``). Default: False.
+
+    Raises:
+        TypeError: a flag that is not a ``bool``.
+    """
 
     pow2_scales: bool = False
 
@@ -140,7 +176,14 @@ class Float8Rowwise(Recipe):
 @dataclass(frozen=True)
 class Float8Blockwise(Recipe):
     """DeepSeek-V3 style: 1x128 tiles for activations and gradients, 128x128 blocks for
-    weights, E4M3 data, fp32 scales (``pow2_scales`` rounds them down to powers of two)."""
+    weights, E4M3 data, one fp32 scale per tile.
+
+    Args:
+        wgrad_high_precision, pow2_scales: as for :class:`Float8Rowwise`.
+
+    Raises:
+        TypeError: a flag that is not a ``bool``.
+    """
 
     pow2_scales: bool = False
 

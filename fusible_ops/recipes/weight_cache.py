@@ -30,7 +30,19 @@ def quantized_weight(
 ) -> QuantizedOperand:
     """``weight`` (``[G, N, K]`` or ``[N, K]``, computed from ``param`` by views and casts)
     quantized for contraction ``along`` its columns or rows, from the cache when
-    ``param`` has not changed since the copy was made."""
+    ``param`` has not changed since the copy was made.
+
+    Args:
+        param: the parameter the cache entry is keyed on (held weakly).
+        weight: the tensor to quantize, ``[G, N, K]`` or ``[N, K]``: ``param`` itself, or
+            a view or cast of it.
+        recipe: the recipe that gives the tiles and the FP8 format.
+        along: ``ALONG_COLUMNS`` or ``ALONG_ROWS``, the contraction direction.
+
+    Returns:
+        The :class:`~fusible_ops.recipes.QuantizedOperand`, as
+        :func:`~fusible_ops.recipes.quantize_weight` makes it.
+    """
     if not _cacheable():
         return quantize_weight(weight, recipe, along)
     key = (recipe, along, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
