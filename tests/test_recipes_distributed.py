@@ -325,12 +325,6 @@ def test_fsdp2_step_under_a_recipe_equals_unsharded_and_its_checkpoint_reloads(o
 
 
 @pytest.mark.numerics
-@pytest.mark.xfail(
-    reason="known defect: FSDP2 writes the all-gathered weights into the unsharded parameter "
-    "without bumping its version counter, so when the allocator hands back the same address "
-    "the quantized-weight cache serves the copy made before the optimizer step",
-    strict=False,
-)
 @pytest.mark.parametrize("case", FSDP_TRAIN_CASES)
 def test_fsdp2_training_under_a_recipe_uses_no_stale_quantized_weights(outcomes, case):
     _assert_ok(outcomes, case)

@@ -5,10 +5,14 @@ and its data pointer, plus the recipe, the contraction direction and the compute
 An optimizer step or ``load_state_dict`` (in-place writes bump the version), ``p.data =``
 (a new data pointer) or a parameter swap (another tensor) makes the next call quantize
 afresh: a stale copy is never used. Micro-batches between two optimizer steps reuse it.
+FSDP2's unsharded parameters are written without a version bump, so they are never
+cached (quantized afresh on every call).
 While tracing (``torch.compile``) or under a dispatch mode the copy is made in the graph.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -23,6 +27,28 @@ STATS = {"hits": 0, "misses": 0}
 
 def _cacheable() -> bool:
     return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+
+
+def _fsdp_unsharded_ids() -> set[int]:
+    """Ids of FSDP2's unsharded parameters. FSDP2 all-gathers into them without bumping
+    their version counter (and often into the same memory), so a copy keyed on version and
+    address could be stale after an optimizer step: they are quantized afresh every call."""
+    states = sys.modules.get("torch.distributed._composable_state")
+    mapping = getattr(states, "_module_state_mapping", None)
+    if not mapping:
+        return _NO_IDS
+    ids = set()
+    for ref in list(mapping.values()):
+        state = ref() if callable(ref) else ref
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                ids.add(id(unsharded))
+    return ids
+
+
+_NO_IDS: set[int] = set()
 
 
 def quantized_weight(
@@ -43,7 +69,7 @@ def quantized_weight(
         The :class:`~fusible_ops.recipes.QuantizedOperand`, as
         :func:`~fusible_ops.recipes.quantize_weight` makes it.
     """
-    if not _cacheable():
+    if not _cacheable() or id(param) in _fsdp_unsharded_ids():
         return quantize_weight(weight, recipe, along)
     key = (recipe, along, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
     state = (param._version, param.data_ptr(), param.storage_offset())
