@@ -162,34 +162,41 @@ def test_activation_checkpointing_of_a_module_recipe_with_backward_anywhere(reci
     _assert_same(grads(True), grads(False))
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=_ids)
-def test_backward_outside_the_context_currently_raises_checkpoint_error(recipe):
-    """Current behaviour, pinned: the recomputation runs in backward, outside the
-    ``fo.quantized`` block, so unquantized; it saves fewer tensors than the quantized
-    forward did and torch's checkpoint raises. Keep backward inside the block, or give the
-    module its own recipe (the test above)."""
+@pytest.mark.parametrize("recipe", [*RECIPES, R.Float8Rowwise(wgrad_high_precision=True)], ids=_ids)
+@pytest.mark.parametrize("fusion", [True, False])
+def test_backward_outside_the_context_recomputes_under_the_forwards_recipe(recipe, fusion):
+    """The recomputation runs in backward, outside the ``fo.quantized`` block: it runs under
+    the recipe its forward ran with, so the gradients are the quantized ones exactly."""
     seq = _block()
-    with pytest.raises(
-        CheckpointError,
-        match=r"A different number of tensors was saved during the original forward and recomputation\.\n"
-        r"Number of tensors saved during forward: \d+\nNumber of tensors saved during recomputation: \d+",
-    ):
-        _run(seq, recipe, ckpt=True, backward_inside=False)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: with wgrad_high_precision=True the unquantized recomputation saves as many "
-    "tensors, of the same shapes and dtypes, as the quantized forward, so torch's checkpoint does not "
-    "notice and the fused block's gradients come out wrong without an error",
-)
-def test_backward_outside_the_context_never_gives_wrong_gradients():
-    """Either the quantized gradients or an error, never something else."""
-    recipe = R.Float8Rowwise(wgrad_high_precision=True)
-    seq = _block()
-    want = _run(seq, recipe, ckpt=False)
-    try:
-        got = _run(seq, recipe, ckpt=True, backward_inside=False)
-    except CheckpointError:
-        return
+    with fo.settings(fusion=fusion):  # in force for the backward too
+        want = _run(seq, recipe, ckpt=False, fusion=fusion)
+        got = _run(seq, recipe, ckpt=True, backward_inside=False, fusion=fusion)
     _assert_same(got, want)
+
+
+def test_a_recomputation_that_cannot_tell_its_recipe_is_refused():
+    """Two live forwards of one module under different recipes, then a recomputation
+    outside both blocks: which recipe it should run under is ambiguous, so it raises."""
+    seq = _block()
+    x, probs, splits = _inputs()
+    with fo.quantized(R.MXFP8()):
+        first = checkpoint(seq, x, splits, probs, splits, use_reentrant=False)
+    with fo.quantized(R.Float8Rowwise()):
+        second = seq(x, splits, probs, splits)  # still alive: its graph is not freed
+    with pytest.raises(RuntimeError, match="cannot tell which low-precision recipe"):
+        first.sum().backward()
+    del second
+
+
+@pytest.mark.parametrize("recipe", [R.MXFP8(), R.Float8Rowwise(wgrad_high_precision=True)], ids=_ids)
+def test_checkpointed_moe_under_the_context_with_backward_outside(recipe):
+    moe = fo.MoE(32, 16, 4, 2)
+    x0 = torch.randn(10, 32, generator=torch.Generator().manual_seed(3))
+
+    def grads(ckpt: bool):
+        x = x0.clone().requires_grad_()
+        with fo.quantized(recipe):
+            out = checkpoint(moe, x, use_reentrant=False) if ckpt else moe(x)
+        return out.detach(), torch.autograd.grad(out.square().sum(), [x, *moe.parameters()])
+
+    _assert_same(grads(True), grads(False))

@@ -65,6 +65,11 @@ def _facts_key(settings: Settings) -> int:
 
 _STATE = _SettingsStack()
 
+#: whether a recipe was ever set through ``settings``/``fusible_ops.quantized`` in this
+#: process: only then do fusers track which recipe each forward ran under
+#: (``fusible_ops.fuser.recompute``)
+RECIPE_CONTEXT_USED = [False]
+
 # the kernel registry (a higher layer) installs the function that lists its backends
 _backend_names: Callable[[], list[str]] = list
 
@@ -177,6 +182,8 @@ def settings(**changes: object) -> Iterator[Settings]:
                 f"fusible_ops.settings: unknown backend {changes['backend']!r}; "
                 f"choose 'auto' or one of {names} (see `python -m fusible_ops info`)"
             )
+    if changes.get("recipe") is not None:
+        RECIPE_CONTEXT_USED[0] = True
     new = dataclasses.replace(current_settings(), **changes)
     _STATE.stack.append(new)
     _STATE.top_changed()

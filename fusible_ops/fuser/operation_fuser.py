@@ -12,7 +12,7 @@ import torch
 from ..core.buffers import GRAD_BUFFER_WRITES, GRAD_INPUT_BUFFER_KEY, call_buffers, check_call_buffers
 from ..core.dtypes import compute_dtype
 from ..core.op import NO_ENTRIES, BasicOperation, TensorMeta, preflight_is_static
-from ..core.settings import current_settings
+from ..core.settings import RECIPE_CONTEXT_USED, current_settings
 from ..core.splits import forget_split_reads, start_call
 from ..kernels.signature_checks import SignatureChecks, plan_takes_part
 from .compiled import compiled_call, register_fuser
@@ -22,6 +22,7 @@ from .op_errors import check_dense as _check_dense
 from .op_errors import is_dtensor as _is_dtensor
 from .op_errors import located_error
 from .plan import FusionPlan, PlanEntry
+from .recompute import call_tracking_recipe, inside_tracked_call
 from .rules import (
     FusionContext,
     checked_plan,
@@ -358,6 +359,10 @@ class OperationFuser(HookedSegments):
                     return result
         else:
             forget_split_reads()  # what start_call does in eager
+            if RECIPE_CONTEXT_USED[0] and self.recipe is None and not inside_tracked_call():
+                return call_tracking_recipe(
+                    self, input_, *extra_inputs, basic_op_kwargs=basic_op_kwargs, param_dicts=param_dicts
+                )
         keyed = None
         # compiling: traced once per graph, the plan is made while tracing
         if (
