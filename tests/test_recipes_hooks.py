@@ -28,3 +28,16 @@ def test_module_recipe_survives_a_forward_hook(recipe, hooked):
     torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0)
     seq.recipe = None  # and the quantized result is not the plain one
     assert not torch.equal(seq(x, splits, probs, splits), want)
+
+
+def test_a_hook_replacing_the_output_after_a_recipe_context_was_used():
+    with fo.quantized(fo.recipes.MXFP8()):
+        pass  # a recipe context seen once: fusers track the recipe of their forwards
+    seq = fo.Sequential(fo.GroupedLinear(2, 4, 4))
+    seq[0].register_forward_hook(lambda module, args, out: out * 2)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = seq(x, torch.tensor([1, 2]))
+    weight = seq[0].weight
+    want = torch.cat([x[:1] @ weight[0].T, x[1:] @ weight[1].T])
+    torch.testing.assert_close(out, 2 * want)
+    out.sum().backward()  # and its graph frees normally

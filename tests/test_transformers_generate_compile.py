@@ -105,8 +105,14 @@ def test_compiled_generate_equals_eager_across_models_without_extra_recompiles(f
     tokens, compiles = _compiled_generation(family, "fusible_ops")
     for got, want in zip(tokens, expected):
         assert torch.equal(got, want), (got, want)
-    _, default_compiles = _compiled_generation(family, None)
-    assert 0 < compiles <= default_compiles, (compiles, default_compiles)
+    # with dynamic=False every distinct static-cache shape (one per batch size) needs its own
+    # graph, with any experts implementation: at that bound nothing can compile less, so the
+    # default implementation is compiled only when ours needed more
+    at_least = len({batch for batch, _ in PROMPTS})
+    assert compiles >= at_least, compiles
+    if compiles > at_least:
+        _, default_compiles = _compiled_generation(family, None)
+        assert compiles <= default_compiles, (compiles, default_compiles)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

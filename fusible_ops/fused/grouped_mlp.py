@@ -316,8 +316,8 @@ def _look_alike_reason(middle: BasicOperation, followed_by_scale: bool) -> str |
     """Why ``GroupedLinear -> middle -> GroupedLinear [-> Scale]`` is no GroupedMLP pattern
     (None: it is one, and the pattern's own rule decided)."""
     scaled = ", ".join(f"Scaled{name}" for name in ("SwiGLU", "GEGLU", "ClampedSwiGLU", "SReLU"))
-    if isinstance(middle, ScaledActivation):
-        return None
+    if isinstance(middle, ScaledActivation) or (followed_by_scale and isinstance(middle, Activation)):
+        return None  # a GroupedMLP pattern: its own rule fired or said why not
     kind = getattr(getattr(middle, "spec", None), "kind", None)
     if isinstance(middle, Activation) and kind in SUPPORTED_ACTIVATIONS:
         if followed_by_scale:

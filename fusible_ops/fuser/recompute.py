@@ -79,7 +79,10 @@ def call_tracking_recipe(
     out = _first_tensor(result)
     if grad and not recomputing and out is not None and out.grad_fn is not None:
         live[recipe] = live.get(recipe, 0) + 1
-        weakref.finalize(out.grad_fn, _forget, live, recipe)
+        try:  # the graph's lifetime: our autograd node (an ATen node, e.g. after a hook, takes no weakref)
+            weakref.finalize(out.grad_fn, _forget, live, recipe)
+        except TypeError:
+            weakref.finalize(out, _forget, live, recipe)
     return result
 
 
