@@ -12,13 +12,13 @@ import re
 
 import pytest
 import torch
+from test_backend_conformance import ThinLoopBackend
 
 import fusible_ops as fo
 from fusible_ops import MoE
 from fusible_ops.checkpoint import export_grouped_keys, load_grouped_keys, load_per_expert_state_dict
 from fusible_ops.kernels import (
     BackendConformanceError,
-    GroupedGemmBackend,
     backend_names,
     get_backend,
     register_backend,
@@ -27,29 +27,14 @@ from fusible_ops.kernels import (
 )
 from fusible_ops.kernels.activation import ActivationSpec
 from fusible_ops.kernels.conformance import run_conformance_probe
-from fusible_ops.kernels.pytorch.loop import TorchLoopBackend
 
 # ---------------------------------------------------------------- backends
 
 
-class _LoopHooks(GroupedGemmBackend):
+class _LoopHooks(ThinLoopBackend):
     """A correct user backend: the torch loop's hooks behind the base class."""
 
     name = "user_loop"
-    needs_host_splits = True
-    _loop = TorchLoopBackend()
-
-    def probe(self, device, dtype):
-        return None if dtype.is_floating_point else f"{dtype} is not floating point"
-
-    def _fprop(self, x, weight, split_sizes, offsets, bias, out):
-        return self._loop._fprop(x, weight, split_sizes, offsets, bias, out)
-
-    def _dgrad(self, grad_out, weight, split_sizes, offsets, out):
-        return self._loop._dgrad(grad_out, weight, split_sizes, offsets, out)
-
-    def _wgrad(self, grad_out, x, split_sizes, offsets, out):
-        return self._loop._wgrad(grad_out, x, split_sizes, offsets, out)
 
 
 class _NeverWritesOut(_LoopHooks):
