@@ -65,8 +65,24 @@ def validate_or_alloc_output(
 ) -> torch.Tensor:
     """Return a tensor of ``shape`` to write into: a fresh one, or a view of ``buffer``.
 
-    ``shape[0]`` is the number of rows produced; ``buffer`` may have more rows.
-    Raises ``ValueError`` naming ``op_name`` and ``key`` when the buffer is unusable.
+    Args:
+        buffer: the caller's buffer, or None to allocate. Its leading dim may be longer
+            than ``shape[0]`` (a padded tail, never written); every other dim must match.
+        shape: the result's shape, ``[rows, *features]``.
+        dtype: the op's compute dtype; the buffer must have it.
+        device: the buffer must be on it.
+        op_name: the op named in error messages.
+        key: the ``op_kwargs`` key named in error messages.
+        no_overlap: tensors the buffer must not share memory with (the op's inputs and
+            parameters).
+
+    Returns:
+        A fresh tensor of ``shape``, or ``buffer[:shape[0]]`` (same memory as ``buffer``).
+
+    Raises:
+        ValueError: naming ``op_name`` and ``key``: a buffer that is not a dense tensor, of
+            the wrong shape, dtype or device, not contiguous, requiring grad, made under
+            ``torch.inference_mode``, or overlapping a tensor of ``no_overlap``.
     """
     shape = tuple(int(s) for s in shape)
     device = torch.device(device)
