@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.utils.checkpoint import CheckpointError, checkpoint
+from torch.utils.checkpoint import checkpoint
 
 import fusible_ops as fo
 
