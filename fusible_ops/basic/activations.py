@@ -29,15 +29,9 @@ def check_activation_input(op_name: str, spec: ActivationSpec, meta: TensorMeta)
 
 
 def _spec_field(name: str) -> property:
-    def get(self):  # noqa: ANN001, ANN202
-        return getattr(self.spec, name)
-
-    def refuse(self, value) -> None:  # noqa: ANN001
-        cls = type(self).__name__
-        raise AttributeError(f"{cls}.{name} is fixed at construction; build a new {cls}({name}=...) instead")
-
-    get.__doc__ = f"The activation's ``{name}`` (read-only)."
-    return property(get, refuse, doc=get.__doc__)
+    return fixed_at_construction(
+        name, f"The activation's ``{name}`` (read-only).", lambda self: getattr(self.spec, name)
+    )
 
 
 class SpecAttributes:

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .state_dict_checks import CheckedLoadStateDict
+
 #: an empty mapping that refuses writes (shared defaults: contexts, kwargs of calls without any)
 NO_ENTRIES: Mapping[str, Any] = MappingProxyType({})
 
@@ -115,23 +117,23 @@ class OperationContext:
         return ctx
 
 
-def fixed_at_construction(name: str, doc: str) -> property:
-    """A read-only attribute: set once (in ``__init__``), refused afterwards with an
-    ``AttributeError`` (configuration an op reads when it plans or computes, which a
-    later assignment would silently not reach). Stored as ``_{name}``."""
+def fixed_at_construction(name: str, doc: str, get: Callable[[Any], Any] | None = None) -> property:
+    """A read-only attribute: configuration an op or layer reads when it plans or computes,
+    which a later assignment would silently not reach. Stored as ``_{name}`` and set once
+    (in ``__init__``), or computed by ``get``; any other assignment raises ``AttributeError``."""
     slot = "_" + name
 
-    def get(self):  # noqa: ANN001, ANN202
-        return getattr(self, slot)
+    def getter(self):  # noqa: ANN001, ANN202
+        return getattr(self, slot) if get is None else get(self)
 
     def set_once(self, value) -> None:  # noqa: ANN001
-        if slot in vars(self):
+        if get is not None or slot in vars(self):
             cls = type(self).__name__
             raise AttributeError(f"{cls}.{name} is fixed at construction; build a new {cls} instead")
         vars(self)[slot] = value
 
-    get.__doc__ = doc  # what help() and the API reference show
-    return property(get, set_once, doc=doc)
+    getter.__doc__ = doc  # what help() and the API reference show
+    return property(getter, set_once, doc=doc)
 
 
 def check_sizes(op_name: str, **sizes: object) -> None:
@@ -182,7 +184,7 @@ def has_module_hooks(module: torch.nn.Module) -> bool:
     return False  # not bool(...): one builtin fewer for a traced call to guard
 
 
-class BasicOperation(FusibleOperation, torch.nn.Module):
+class BasicOperation(FusibleOperation, CheckedLoadStateDict, torch.nn.Module):
     """One small step of a network; owns its parameters.
 
     Simple ops implement :meth:`op_forward` and :meth:`op_backward`. Ops with extra
@@ -210,14 +212,6 @@ class BasicOperation(FusibleOperation, torch.nn.Module):
     static_preflight: bool = True
 
     # ------------------------------------------------------------ parameters and hooks
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # noqa: ANN201
-        """As ``nn.Module.load_state_dict``, but a load that fails changes nothing (every key,
-        value and shape is checked first, see ``fusible_ops.core.state_dict_checks``)."""
-        from .state_dict_checks import check_state_dict
-
-        check_state_dict(self, state_dict, strict, assign)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
     def param_tensors(self) -> dict[str, torch.Tensor | None]:
         """The tensors this call computes with, read through the attributes.
 

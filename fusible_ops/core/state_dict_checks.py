@@ -107,3 +107,16 @@ def _check_copy(dest: torch.Tensor, src: torch.Tensor) -> None:
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
     return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
+class CheckedLoadStateDict:
+    """A module mixin: ``load_state_dict`` checks first (:func:`check_state_dict`), so a load
+    that fails changes nothing. (A parent module's ``load_state_dict`` reaches this module
+    through torch's recursion, without the check.)"""
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # noqa: ANN201
+        """As ``nn.Module.load_state_dict``, but a load that fails changes nothing: a dry run of
+        the same load first checks every key, value and shape (per-group ``weight{i}`` keys
+        and DTensor parameters included)."""
+        check_state_dict(self, state_dict, strict, assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)

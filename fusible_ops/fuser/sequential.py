@@ -10,7 +10,7 @@ import torch
 
 from ..core.buffers import call_buffers, check_call_buffers
 from ..core.op import BasicOperation, TensorMeta
-from ..core.state_dict_checks import check_state_dict
+from ..core.state_dict_checks import CheckedLoadStateDict
 from ..recipes.context import check_recipe
 from ..recipes.recipes import Recipe
 from .compiled import compiled_call
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..core.placement import ExpertPlacement
 
 
-class Sequential(torch.nn.Module):
+class Sequential(CheckedLoadStateDict, torch.nn.Module):
     """Container of modules run in order; consecutive basic ops form one fuser group.
 
     Like ``torch.nn.Sequential``, but each run of basic ops (``fusible_ops`` ops) goes
@@ -142,13 +142,6 @@ class Sequential(torch.nn.Module):
         module = modules.pop(index)
         self._reset_modules(modules)
         return module
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # noqa: ANN201
-        """As ``nn.Module.load_state_dict``, but a load that fails changes nothing: a dry run
-        (``fusible_ops.core.state_dict_checks.check_state_dict``) checks every key, value
-        and shape first, per-group ``weight{i}`` keys included."""
-        check_state_dict(self, state_dict, strict, assign)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __len__(self) -> int:
         return len(self._modules)

@@ -7,9 +7,10 @@ from typing import NamedTuple
 
 from ..basic.activations import GEGLU, ClampedSwiGLU, SReLU, SwiGLU
 from ..basic.scaled_activations import ScaledClampedSwiGLU, ScaledGEGLU, ScaledSReLU, ScaledSwiGLU
+from ..core.op import fixed_at_construction as fixed
 from ..kernels.activation import ACTIVATIONS, EXPERT_BLOCK_KINDS
 from . import options as opt
-from .options import fixed, per_call
+from .options import per_call
 
 
 class MoEActivation(NamedTuple):

@@ -3,9 +3,6 @@ and optional expert parallelism."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -13,7 +10,7 @@ from ..basic.grouped_linear import GroupedLinear
 from ..basic.linear import BasicLinear
 from ..basic.scale import Scale
 from ..core.dtypes import compute_dtype
-from ..core.state_dict_checks import check_state_dict
+from ..core.state_dict_checks import CheckedLoadStateDict
 from ..fuser.sequential import Sequential
 from ..recipes.context import check_recipe
 from ..recipes.recipes import Recipe
@@ -24,7 +21,7 @@ from .router import RoutingConfig, route
 from .routing import ExpertPlacement, permute, unpermute
 
 
-class MoE(MoEAttributes, nn.Module):
+class MoE(MoEAttributes, CheckedLoadStateDict, nn.Module):
     """Mixture-of-Experts MLP: a drop-in replacement for a transformer MLP.
 
     Per token ``x``, with routing weights ``p_e`` of the top-k experts (docs/moe.md)::
@@ -446,14 +443,6 @@ class MoE(MoEAttributes, nn.Module):
             self.score_correction_bias.dtype
         )
         self.expert_load_since_update.zero_()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # noqa: ANN201
-        """As ``nn.Module.load_state_dict``, but a load that fails changes nothing: a dry run of the
-        same load (``fusible_ops.core.state_dict_checks.check_state_dict``) first checks every
-        key, value and shape, per-group expert keys and DTensor experts included. (A parent
-        module's ``load_state_dict`` loads this layer through torch's recursion, without it.)"""
-        check_state_dict(self, state_dict, strict, assign)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def _shard_experts(experts: Sequential, mesh: object) -> None:

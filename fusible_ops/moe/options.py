@@ -19,22 +19,6 @@ PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NUMBER_KWARGS = ("limit", "alpha", "glu_linear_offset")
 
 
-def fixed(name: str, doc: str, get: Callable[[Any], Any] | None = None) -> property:
-    """A read-only attribute, stored as ``_<name>`` (or computed by ``get``)."""
-    slot = "_" + name
-
-    def getter(self: Any) -> Any:
-        return getattr(self, slot) if get is None else get(self)
-
-    def setter(self: Any, value: object) -> None:
-        raise AttributeError(
-            f"MoE.{name} is fixed at construction (the layer is built for it); build a new MoE to change it"
-        )
-
-    getter.__doc__ = doc  # what help() and the API reference show
-    return property(getter, setter, doc=doc)
-
-
 def per_call(name: str, check: Callable[[Any, object], object], doc: str) -> property:
     """An attribute read on every call, stored as ``_<name>``: each assignment is checked by
     ``check(moe, value)`` (which returns the value to store) before it is stored."""
