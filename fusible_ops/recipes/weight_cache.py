@@ -29,26 +29,31 @@ def _cacheable() -> bool:
     return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
 
 
-def _fsdp_unsharded_ids() -> set[int]:
-    """Ids of FSDP2's unsharded parameters. FSDP2 all-gathers into them without bumping
-    their version counter (and often into the same memory), so a copy keyed on version and
-    address could be stale after an optimizer step: they are quantized afresh every call."""
+def _is_fsdp_unsharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is one of FSDP2's unsharded parameters. FSDP2 all-gathers into them
+    without bumping their version counter (and often into the same memory), so a copy keyed
+    on version and address could be stale after an optimizer step: they are quantized afresh
+    every call. FSDP2 keeps one unsharded parameter object per parameter, so the ids found
+    are remembered; the states are scanned again only for a parameter not among them."""
     states = sys.modules.get("torch.distributed._composable_state")
     mapping = getattr(states, "_module_state_mapping", None)
     if not mapping:
-        return _NO_IDS
-    ids = set()
+        return False
+    if id(param) in _FSDP_UNSHARDED_IDS:
+        return True
+    _FSDP_UNSHARDED_IDS.clear()
     for ref in list(mapping.values()):
         state = ref() if callable(ref) else ref
         group = getattr(state, "_fsdp_param_group", None)
         for fsdp_param in getattr(group, "fsdp_params", ()):
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
-                ids.add(id(unsharded))
-    return ids
+                _FSDP_UNSHARDED_IDS.add(id(unsharded))
+    return id(param) in _FSDP_UNSHARDED_IDS
 
 
-_NO_IDS: set[int] = set()
+#: ids of the FSDP2 unsharded parameters last found (see :func:`_is_fsdp_unsharded`)
+_FSDP_UNSHARDED_IDS: set[int] = set()
 
 
 def quantized_weight(
@@ -69,7 +74,7 @@ def quantized_weight(
         The :class:`~fusible_ops.recipes.QuantizedOperand`, as
         :func:`~fusible_ops.recipes.quantize_weight` makes it.
     """
-    if not _cacheable() or id(param) in _fsdp_unsharded_ids():
+    if not _cacheable() or _is_fsdp_unsharded(param):
         return quantize_weight(weight, recipe, along)
     key = (recipe, along, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
     state = (param._version, param.data_ptr(), param.storage_offset())
