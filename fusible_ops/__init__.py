@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 _BASIC_OPS = (
     "GEGLU", "GELU", "AddExtraInput", "BasicLinear", "Bias", "ClampedSwiGLU", "ConstantScale",
-    "Dropout", "GroupedLinear", "Identity", "LayerNorm", "MakeExtraOutput", "RMSNorm", "ReGLU",
+    "Dropout", "GroupedGateUpLinear", "GroupedLinear", "Identity", "LayerNorm", "MakeExtraOutput", "RMSNorm", "ReGLU",
     "ReLU", "Reshape", "SReLU", "Scale", "ScaledClampedSwiGLU", "ScaledGEGLU", "ScaledSReLU",
     "ScaledSwiGLU", "SiLU", "SwiGLU",
 )  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 from .activations import GEGLU, GELU, Activation, ClampedSwiGLU, ReGLU, ReLU, SiLU, SReLU, SwiGLU
 from .dropout import Dropout
 from .extra_io import AddExtraInput, MakeExtraOutput
+from .grouped_gate_up import GroupedGateUpLinear
 from .grouped_linear import GroupedLinear
 from .linear import BasicLinear, Bias
 from .norms import LayerNorm, RMSNorm
@@ -34,6 +35,7 @@ __all__ = [
     "ClampedSwiGLU",
     "ConstantScale",
     "Dropout",
+    "GroupedGateUpLinear",
     "GroupedLinear",
     "Identity",
     "LayerNorm",

@@ -129,8 +129,8 @@ class GroupedLinear(BasicOperation):
         out_features: ``N``, the size of each output row.
         bias: add a per-group bias ``[G, N]``.
         weight_layout: ``"out_in"``: ``weight`` is ``[G, N, K]`` (``[experts, out, in]``,
-            as ``nn.Linear`` and most checkpoints); ``"in_out"``: ``[G, K, N]`` (as GPT-OSS
-            and torchtitan store it; ``y = x @ weight[g]``). The kernels read either
+            as ``nn.Linear``, torchtitan's ``GroupedExperts`` and most checkpoints);
+            ``"in_out"``: ``[G, K, N]`` (as GPT-OSS stores it; ``y = x @ weight[g]``). The kernels read either
             layout in place; :meth:`weight_out_in` is the ``[G, N, K]`` view.
 
     Shape:

@@ -5,6 +5,9 @@ Patterns (joint fusion, forward and backward):
 - ``GroupedLinear -> Scaled{SwiGLU,GEGLU,ClampedSwiGLU,SReLU} -> GroupedLinear``
 - ``GroupedLinear -> {SwiGLU,GEGLU,ClampedSwiGLU,SReLU} -> GroupedLinear -> Scale``
   (routing weight applied after the down projection and its bias)
+- with fc1 a ``GroupedGateUpLinear`` (separate gate and up weights): both patterns above with
+  a gated activation, and ``GroupedGateUpLinear -> {SwiGLU,GEGLU,ClampedSwiGLU} ->
+  GroupedLinear`` without routing weights (see ``grouped_mlp_gate_up``)
 
 Saved for backward: the input, fc1's output (pre-activation), the scales and the
 group offsets; the activation is recomputed in backward. fc2's ``output`` buffer and
@@ -16,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..basic.activations import Activation
+from ..basic.grouped_gate_up import GroupedGateUpLinear
 from ..basic.grouped_linear import GroupedLinear
 from ..basic.scale import Scale
 from ..basic.scaled_activations import ScaledActivation
@@ -30,7 +34,7 @@ from ..kernels import library as kernel_ops
 from ..kernels.activation import EXPERT_BLOCK_KINDS, ActivationSpec
 from ..kernels.quantized import QuantizedChoice, select_quantized
 from ..kernels.signature_checks import signature_fixes_kernel_args
-from . import grouped_mlp_quantized
+from . import grouped_mlp_gate_up, grouped_mlp_quantized
 
 SUPPORTED_ACTIVATIONS = EXPERT_BLOCK_KINDS  # read from the activation table
 
@@ -70,6 +74,7 @@ class GroupedMLP(FusedOperation):
         *,
         scale_after_fc2: bool,
         quantized: QuantizedChoice | None = None,
+        scaled: bool = True,
     ) -> None:
         super().__init__(basic_ops, backend=choice)
         #: how the GEMMs run under a low-precision recipe, or None when unquantized
@@ -79,12 +84,77 @@ class GroupedMLP(FusedOperation):
         self.fc2: GroupedLinear = basic_ops[2]
         self.spec: ActivationSpec = basic_ops[1].spec
         self.scale_after_fc2 = scale_after_fc2
+        #: False for a block without routing weights (fc1 with separate gate and up weights only)
+        self.scaled = scaled
+        #: whether fc1 keeps its gate and up weights apart (a GroupedGateUpLinear, two fc1 GEMMs)
+        self.gate_up = isinstance(self.fc1, GroupedGateUpLinear)
 
     def _scales_position(self) -> int:
         return 3 if self.scale_after_fc2 else 1
 
+    def _gate_up_forward(self, basic_op_ctxs, input_, extra_inputs, kwargs) -> FusedForward:
+        ctx1, p1, p2 = basic_op_ctxs[0], basic_op_ctxs[0].params, basic_op_ctxs[2].params
+        dtype = compute_dtype_of(input_)
+        x = cast(as_rows(input_, self.fc1.in_features), dtype)
+        weights = (
+            cast(p1["gate_weight"], dtype),
+            cast(p1["up_weight"], dtype),
+            cast(self.fc2.weight_out_in(p2["weight"]), dtype),
+        )
+        splits = to_split_info(extra_inputs[0][0], x.shape[0], x)
+        scales_in = extra_inputs[self._scales_position()][0] if self.scaled else None
+        scales = None if scales_in is None else as_flat(scales_in)
+        out2d = buffer_rows(kwargs[2].get(OUTPUT_BUFFER_KEY), x.shape[0], self.fc2.out_features)
+        save = any([c.requires_grad for c in basic_op_ctxs])
+        y = grouped_mlp_gate_up.mlp_forward(
+            self, ctx1, x, weights, cast(p2["bias"], dtype), scales, splits, out2d, save
+        )
+        if save:
+            self._keep_call_facts(ctx1, splits, input_, dtype, scales_in)
+        out_shape = (*input_.shape[:-1], self.fc2.out_features)
+        return FusedForward(y if y.shape == out_shape else y.view(out_shape), [()] * len(basic_op_ctxs))
+
+    def _gate_up_backward(self, basic_op_ctxs, grad_output) -> FusedBackward:
+        ctx1, ctx2 = basic_op_ctxs[0], basic_op_ctxs[2]
+        p1, p2, dtype = ctx1.params, ctx2.params, ctx1.compute_dtype
+        weights = (
+            cast(p1["gate_weight"], dtype),
+            cast(p1["up_weight"], dtype),
+            cast(self.fc2.weight_out_in(p2["weight"]), dtype),
+        )
+        dy = cast(as_rows(grad_output, self.fc2.out_features), dtype)
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        needs = (
+            ctx1.input_requires_grad,
+            ctx1.needs_param_grad("gate_weight"),
+            ctx1.needs_param_grad("up_weight"),
+            ctx2.needs_param_grad("weight"),
+            ctx2.needs_param_grad("bias"),
+            bool(ctx1.scales_requires_grad),
+        )
+        out = buffer_rows(ctx1.grad_input_buffer, dy.shape[0], self.fc1.in_features) if needs[0] else None
+        grad_input, grad_fc1, grad_w2, grad_b2, grad_scales = grouped_mlp_gate_up.mlp_backward(
+            self, ctx1, dy, weights, needs, out
+        )
+        if grad_input is not None and grad_input.shape != ctx1.input_shape:
+            grad_input = grad_input.view(ctx1.input_shape)
+        if grad_scales is not None and grad_scales.shape != ctx1.scales_shape:
+            grad_scales = grad_scales.view(ctx1.scales_shape)
+        fc1_grads = [cast(g, p1[n].dtype) for g, n in zip(grad_fc1, ("gate_weight", "up_weight"))]
+        grad_params = [fc1_grads, [], _param_grads(p2, _in_layout(self.fc2, grad_w2), grad_b2)]
+        grad_extra: list[tuple[Any, ...]] = [(None,), (), (None,)]
+        if self.scale_after_fc2:
+            grad_params.append([])
+            grad_extra.append((grad_scales,))
+        elif self.scaled:
+            grad_extra[1] = (grad_scales,)
+        return FusedBackward(grad_input, grad_params, grad_extra)
+
     # ------------------------------------------------------------ forward
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs) -> FusedForward:
+        if self.gate_up:
+            return self._gate_up_forward(basic_op_ctxs, input_, basic_op_extra_inputs, basic_op_kwargs)
         fc1, fc2 = self.fc1, self.fc2
         ctx1: OperationContext = basic_op_ctxs[0]
         p1, p2 = basic_op_ctxs[0].params, basic_op_ctxs[2].params
@@ -128,11 +198,13 @@ class GroupedMLP(FusedOperation):
         ctx1.host_splits = splits.host
         ctx1.input_shape = input_.shape
         ctx1.compute_dtype = dtype
-        ctx1.scales_shape = scales_in.shape
-        ctx1.scales_requires_grad = scales_in.requires_grad
+        ctx1.scales_shape = None if scales_in is None else scales_in.shape
+        ctx1.scales_requires_grad = scales_in is not None and scales_in.requires_grad
 
     # ------------------------------------------------------------ backward
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs) -> FusedBackward:
+        if self.gate_up:
+            return self._gate_up_backward(basic_op_ctxs, grad_output)
         fc1, fc2 = self.fc1, self.fc2
         ctx1: OperationContext = basic_op_ctxs[0]
         ctx2: OperationContext = basic_op_ctxs[2]
@@ -218,6 +290,14 @@ def _check_mlp(context: FusionContext, ops: list[BasicOperation], first: int) ->
             f"activation {activation.op_name()} ({spec.kind}) is not supported by GroupedMLP; "
             f"supported here: {', '.join(_supported_classes(family))}"
         )
+    if isinstance(fc1, GroupedGateUpLinear):
+        if not spec.gated or spec.glu_interleave_size is not None:
+            return (
+                f"{activation.op_name()} does not read fc1's output as [gate | up] halves, which "
+                "separate gate and up weights make"
+            )
+        if context.settings.recipe is not None:
+            return "low-precision recipes are not supported with separate gate and up weights"
     if fc1.num_groups != fc2.num_groups:
         return f"fc1.num_groups ({fc1.num_groups}) != fc2.num_groups ({fc2.num_groups})"
     if spec.gated and fc1.out_features != 2 * fc2.in_features:
@@ -248,7 +328,7 @@ def _check_mlp(context: FusionContext, ops: list[BasicOperation], first: int) ->
     return None
 
 
-def _build(scale_after_fc2: bool):
+def _build(scale_after_fc2: bool, scaled: bool = True):
     def build(context: FusionContext, ops: list[BasicOperation], first: int):
         reason = _check_mlp(context, ops, first)
         if reason is not None:
@@ -257,6 +337,10 @@ def _build(scale_after_fc2: bool):
         choice = select_backend(
             context.device, context.dtype, purpose="mlp", forced=context.settings.backend, features=features
         )
+        if isinstance(ops[0], GroupedGateUpLinear):
+            fused = GroupedMLP(ops, choice, scale_after_fc2=scale_after_fc2, scaled=scaled)
+            fused.note = "; ".join(_gate_up_notes(context, choice, first, scaled, scale_after_fc2))
+            return fused
         quantized = None
         if context.settings.recipe is not None:
             quantized = select_quantized(
@@ -277,6 +361,30 @@ def _build(scale_after_fc2: bool):
         return fused
 
     return build
+
+
+def _gate_up_notes(
+    context: FusionContext, choice: BackendChoice, first: int, scaled: bool, scale_after_fc2: bool
+) -> list[str]:
+    """What the plan says about a block whose fc1 has separate gate and up weights."""
+    notes = [
+        choice.explain(),
+        "fc1's gate and up weights are read separately: two fc1 GEMMs, never concatenated",
+        ("the activation and scaling run" if scaled and not scale_after_fc2 else "the activation runs")
+        + " as one separate pass (the fused activation kernels read one fc1 weight)",
+    ]
+    if not scaled:
+        notes.append("no routing weights in the block (the caller applies them)")
+    if context.has_kwarg(first + 2, OUTPUT_BUFFER_KEY):
+        notes.append(
+            "fc2 writes the caller's output buffer"
+            + (
+                ""
+                if choice.backend.writes_in_place
+                else f" (copied: {choice.backend.name} cannot write in place)"
+            )
+        )
+    return notes
 
 
 def _plan_notes(
@@ -351,6 +459,13 @@ def grouped_mlp_look_alike_rule(entries: list, context: FusionContext) -> list:
     return entries
 
 
+grouped_mlp_gate_up_unscaled_rule = window_rule(
+    "grouped_mlp_gate_up_unscaled",
+    (GroupedGateUpLinear, Activation, GroupedLinear),
+    _build(scale_after_fc2=False, scaled=False),
+)
+
 register_fusion(grouped_mlp_rule, kind="joint")
 register_fusion(grouped_mlp_scale_after_rule, kind="joint")
+register_fusion(grouped_mlp_gate_up_unscaled_rule, kind="joint")
 register_fusion(grouped_mlp_look_alike_rule, kind="joint")

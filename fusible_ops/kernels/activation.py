@@ -197,7 +197,11 @@ def activation_forward(spec: ActivationSpec, pre: torch.Tensor) -> torch.Tensor:
     """``act(pre)``; gated kinds halve the last dim. Computed in ``pre``'s dtype."""
     if not spec.gated:
         return _unary_forward(spec.kind, pre)
-    gate, linear = split_gate_linear(pre, spec.glu_interleave_size)
+    return gated_forward(spec, *split_gate_linear(pre, spec.glu_interleave_size))
+
+
+def gated_forward(spec: ActivationSpec, gate: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+    """A gated activation of its two halves (``[M, F]`` each), e.g. ``silu(gate) * linear``."""
     if spec.kind == "clamped_swiglu":
         g = gate.clamp(max=spec.limit)
         lin = linear.clamp(-spec.limit, spec.limit)
@@ -210,6 +214,14 @@ def activation_backward(spec: ActivationSpec, pre: torch.Tensor, grad_act: torch
     if not spec.gated:
         return grad_act * _unary_grad(spec.kind, pre)
     gate, linear = split_gate_linear(pre, spec.glu_interleave_size)
+    grad_gate, grad_linear = gated_backward(spec, gate, linear, grad_act)
+    return join_gate_linear(grad_gate, grad_linear, spec.glu_interleave_size)
+
+
+def gated_backward(
+    spec: ActivationSpec, gate: torch.Tensor, linear: torch.Tensor, grad_act: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_gate, grad_linear)`` given the gradient w.r.t. ``gated_forward(spec, gate, linear)``."""
     if spec.kind == "clamped_swiglu":
         g = gate.clamp(max=spec.limit)
         lin = linear.clamp(-spec.limit, spec.limit)
@@ -218,11 +230,9 @@ def activation_backward(spec: ActivationSpec, pre: torch.Tensor, grad_act: torch
         dglu = sig * (1.0 + spec.alpha * g * (1.0 - sig))
         grad_gate = grad_act * (lin + spec.glu_linear_offset) * dglu * (gate <= spec.limit)
         grad_linear = grad_act * glu * ((linear >= -spec.limit) & (linear <= spec.limit))
-    else:
-        fn = _GATE_FN[spec.kind]
-        grad_gate = grad_act * linear * _unary_grad(fn, gate)
-        grad_linear = grad_act * _unary_forward(fn, gate)
-    return join_gate_linear(grad_gate, grad_linear, spec.glu_interleave_size)
+        return grad_gate, grad_linear
+    fn = _GATE_FN[spec.kind]
+    return grad_act * linear * _unary_grad(fn, gate), grad_act * _unary_forward(fn, gate)
 
 
 def scaled_activation_forward(spec: ActivationSpec, pre: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
