@@ -374,6 +374,25 @@ def test_mxfp8_quantize_error_and_zero_blocks():
     assert err > 0  # it really quantised
 
 
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_mxfp8_quantize_is_the_recipes_quantizer(rounding):
+    """The adapter encodes what ``fo.recipes.MXFP8`` quantizes: same FP8 data, same scales."""
+    from fusible_ops.recipes import MXFP8
+    from fusible_ops.recipes.quantize import quantize_rows
+    from fusible_ops.recipes.recipes import ALONG_COLUMNS
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 80, generator=gen) * torch.logspace(-4, 4, 80)
+    x[2, :32] = 0
+    x[3, 40] = 448.0 * 2.0**3 * 1.01  # a block maximum just past fmax * 2**e: the roundings differ
+    q, exps = adapter.mxfp8_quantize(x, rounding)
+    operand = quantize_rows(x, MXFP8(scale_rounding=rounding), "input", ALONG_COLUMNS, None)
+    assert torch.equal(q.view(torch.uint8), operand.data.view(torch.uint8))
+    torch.testing.assert_close(mxfp8_dequantize(q, exps), operand.dequantize(), rtol=0, atol=0)
+    if rounding == "floor":
+        assert torch.equal(adapter.mxfp8_quantize(x)[1], exps)  # the default
+
+
 # ---------------------------------------------------------------- backend (blackwell, fake wrappers)
 
 

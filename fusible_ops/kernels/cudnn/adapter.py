@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...recipes.formats import E4M3, cast_saturated
+from ...recipes.scales import e8m0_bytes, mx_scales
 from ..activation import ACTIVATIONS, ActivationSpec, split_gate_linear
 
 M_ALIGN = 256
@@ -31,8 +33,6 @@ GLU_BLOCK = 32
 MX_BLOCK = 32
 SF_TILE_ROWS = 128
 SF_TILE_COLS = 4
-E4M3_MAX = 448.0
-E4M3_EMAX = 8
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -222,23 +222,22 @@ def pack_scales(scales: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 1, 4, 3, 2, 5).contiguous()
 
 
-def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantise ``x`` ``[..., cols]`` along the last dim (32 values per E8M0 scale).
+def mxfp8_quantize(x: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantise ``x`` ``[..., cols]`` along the last dim (32 values per E8M0 scale),
+    with the recipes' scale rule (:func:`fusible_ops.recipes.scales.mx_scales`; ``rounding``
+    ``"floor"``, the OCP rule, or ``"rceil"``).
 
     Returns ``(q, exponents)``: ``q`` float8_e4m3fn like ``x``; ``exponents`` uint8
-    ``[..., ceil(cols/32)]`` biased by 127 (the E8M0 bit pattern).
+    ``[..., ceil(cols/32)]`` biased by 127 (the E8M0 bit pattern; 0xFF for a block holding
+    a NaN or an Inf, whose values dequantize to NaN).
     """
     cols = x.shape[-1]
     nblocks = _ceil_div(cols, MX_BLOCK)
     xf = torch.nn.functional.pad(x.float(), (0, nblocks * MX_BLOCK - cols))
     blocks = xf.view(*x.shape[:-1], nblocks, MX_BLOCK)
-    amax = blocks.abs().amax(-1)
-    _, exp = torch.frexp(amax)  # amax = m * 2**exp, m in [0.5, 1): floor(log2(amax)) = exp - 1
-    shared = torch.where(amax > 0, exp - 1 - E4M3_EMAX, torch.full_like(exp, -127)).clamp(-127, 127)
-    scale = torch.ldexp(torch.ones_like(amax), shared)
-    q = (blocks / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
-    q = q.view(*x.shape[:-1], nblocks * MX_BLOCK)[..., :cols].to(torch.float8_e4m3fn)
-    return q, (shared + 127).to(torch.uint8)
+    multiplier, scale_inv = mx_scales(blocks.abs().amax(-1), E4M3, rounding)
+    q = cast_saturated(blocks * multiplier.unsqueeze(-1), E4M3)
+    return q.view(*x.shape[:-1], nblocks * MX_BLOCK)[..., :cols], e8m0_bytes(scale_inv)
 
 
 def as_e8m0(exponents: torch.Tensor) -> torch.Tensor:
