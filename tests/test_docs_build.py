@@ -24,7 +24,8 @@ def _sphinx_build(source: Path, out: Path) -> subprocess.CompletedProcess:
 
 def test_api_reference_builds_without_warnings(tmp_path):
     pytest.importorskip("sphinx")
-    pytest.importorskip("transformers")  # the integration's page imports it
+    pytest.importorskip("transformers")  # the integrations' pages import them
+    pytest.importorskip("torchtitan.models.common.moe")
     result = _sphinx_build(API, tmp_path / "html")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "WARNING" not in result.stderr, result.stderr[-4000:]

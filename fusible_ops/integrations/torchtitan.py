@@ -54,6 +54,8 @@ class FusibleGroupedExperts(GroupedExperts):
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
+        """torchtitan's experts config, plus ``compute_dtype`` (None: the tokens' dtype)."""
+
         compute_dtype: torch.dtype | None = None
 
     def __init__(self, config: Config) -> None:
@@ -93,6 +95,7 @@ class FusibleGroupedExperts(GroupedExperts):
         return block
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """``x_RD`` ``[R, D]`` sorted by expert -> ``[R, D]`` in its dtype (see the class)."""
         block, args, params = self._call_parts(x_RD, num_tokens_per_expert_E)
         return torch.func.functional_call(block, params, args).to(x_RD.dtype)
 
