@@ -19,9 +19,10 @@ from . import options as opt
 from .attributes import MOE_ACTIVATIONS, MoEActivation, MoEAttributes  # noqa: F401 (public here)
 from .router import RoutingConfig, route
 from .routing import ExpertPlacement, permute, unpermute
+from .statistics import KEEP_DTYPE_BUFFERS, MoEStatistics
 
 
-class MoE(MoEAttributes, CheckedLoadStateDict, nn.Module):
+class MoE(MoEAttributes, MoEStatistics, CheckedLoadStateDict, nn.Module):
     """Mixture-of-Experts MLP: a drop-in replacement for a transformer MLP.
 
     Per token ``x``, with routing weights ``p_e`` of the top-k experts (docs/moe.md)::
@@ -124,6 +125,8 @@ class MoE(MoEAttributes, CheckedLoadStateDict, nn.Module):
     (``"load_balancing"``, ``"z_loss"``) as detached scalars. After every forward,
     ``last_expert_load`` (``[E]`` int64) holds the rows routed to each expert (dropped
     ones included) and, with ``capacity_factor``, ``last_dropped_load`` the dropped ones.
+    They are kept in non-persistent buffers written in place, so that a compiled,
+    activation-checkpointed forward records them too (fusible_ops/moe/statistics.py).
 
     The options the layer is built for are read-only attributes after construction;
     those read on every call (``router_jitter``, ``aux_loss_coeff``, ``z_loss_coeff``,
@@ -230,9 +233,7 @@ class MoE(MoEAttributes, CheckedLoadStateDict, nn.Module):
             "scale_after_fc2": scale_after_fc2, "load_balancing": load_balancing,
         }  # fmt: skip
         vars(self).update({f"_{name}": value for name, value in fixed_values.items()})
-        self.aux_losses: dict[str, torch.Tensor] = {}
-        self.last_expert_load: torch.Tensor | None = None
-        self.last_dropped_load: torch.Tensor | None = None
+        self._init_statistics(num_experts, device)
 
         factory = {"dtype": dtype, "device": device}
         self.router = nn.Linear(hidden_size, num_experts, bias=router_bias, **factory)
@@ -277,12 +278,15 @@ class MoE(MoEAttributes, CheckedLoadStateDict, nn.Module):
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202
         # moe.to(torch.bfloat16) moves the correction bias but keeps it float32: a dtype cast
-        # would round away the small steps of update_score_correction_bias
-        bias = self._buffers.get("score_correction_bias")
+        # would round away the small steps of update_score_correction_bias (and the recorded
+        # losses stay float64, which holds any loss dtype exactly)
+        names = ("score_correction_bias", *KEEP_DTYPE_BUFFERS)
+        before = {name: self._buffers.get(name) for name in names}
         super()._apply(fn, recurse)
-        moved = self._buffers.get("score_correction_bias")
-        if bias is not None and moved.dtype != bias.dtype:
-            self._buffers["score_correction_bias"] = bias.to(moved.device)
+        for name, buffer in before.items():
+            moved = self._buffers.get(name)
+            if buffer is not None and moved.dtype != buffer.dtype:
+                self._buffers[name] = buffer.to(moved.device)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -311,13 +315,13 @@ class MoE(MoEAttributes, CheckedLoadStateDict, nn.Module):
         routing = route(logits, self.routing, self.score_correction_bias)
         expert_ids = routing.expert_ids
         load = balance.expert_load(expert_ids, self.num_experts)
-        self.last_expert_load = load.detach()
-        dropped = self.last_dropped_load = None
+        dropped = dropped_load = None
         if self.capacity_factor is not None:
             dropped = balance.capacity_dropped(expert_ids, self.num_experts, self.capacity_factor)
-            self.last_dropped_load = balance.expert_load(
+            dropped_load = balance.expert_load(
                 torch.where(dropped, expert_ids, self.num_experts), self.num_experts
             )
+        self._record_load(load, dropped_load)  # in place: traceable inside a checkpointed region
 
         weights = routing.weights
         if self.training:
@@ -390,7 +394,7 @@ class MoE(MoEAttributes, CheckedLoadStateDict, nn.Module):
         if self.z_loss_coeff > 0:
             losses["z_loss"] = balance.z_loss(logits, group)
             scaled.append(self.z_loss_coeff * losses["z_loss"])
-        self.aux_losses = {name: value.detach() for name, value in losses.items()}
+        self._record_losses(losses)
         if self.aux_loss_in_backward and scaled and torch.is_grad_enabled():
             total = sum(scaled[1:], scaled[0])
             if total.requires_grad:
