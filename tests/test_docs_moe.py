@@ -1,5 +1,6 @@
 """docs/moe.md's single-process examples run as written; the distributed ones, marked
-fragments (they need torchrun), are what test_moe_ep and test_moe_dtensor check."""
+fragments (they need torchrun), are what test_moe_ep, test_moe_dtensor and
+test_moe_dp2ep_compile check."""
 
 from __future__ import annotations
 
@@ -18,6 +19,6 @@ def test_moe_doc_examples_run():
 
 def test_only_the_distributed_examples_are_fragments():
     fragments = [block for block in doc_blocks("docs/moe.md") if block.kind == "fragment"]
-    assert len(fragments) == 3
+    assert len(fragments) == 4
     assert all("torchrun" in block.note for block in fragments)
     assert all("init_process_group" in block.code or "init_device_mesh" in block.code for block in fragments)

@@ -13,7 +13,14 @@ from collections.abc import Iterator
 #: the modules the reference lists, with their public names; None: the module's ``__all__``
 ENTRY_POINTS: dict[str, tuple[str, ...] | None] = {
     "fusible_ops": None,
-    "fusible_ops.moe": ("topk_route", "permute", "unpermute", "Permutation", "ExpertPlacement"),
+    "fusible_ops.moe": (
+        "topk_route",
+        "permute",
+        "unpermute",
+        "Permutation",
+        "ExpertPlacement",
+        "expert_shard_placement",
+    ),
     "fusible_ops.checkpoint": (
         "load_stacked",
         "export_stacked",

@@ -37,8 +37,8 @@ def expert_shard_placement(module: nn.Module, dp_mesh: object) -> Callable[[nn.P
         dp_mesh: the 1-D data-parallel ``DeviceMesh`` of the experts (``world_mesh["dp"]``).
 
     Returns:
-        A function of a parameter: FSDP's per-parameter placement for an expert
-        parameter, None (``fully_shard``'s default) for any other.
+        The ``shard_placement_fn``, which gives an expert parameter FSDP's placement
+        on ``dp_mesh`` and any other parameter None (``fully_shard``'s default).
 
     Raises:
         ValueError: ``module`` holds no ``MoE``, one without ``ep_mesh``, or ``dp_mesh``
