@@ -110,6 +110,21 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
     return float((got.double() - want.double()).abs().max()) <= rtol * float(want.abs().max())
 
 
+def _check_expert_shard_placement_errors(world_mesh) -> None:
+    from fusible_ops.moe import expert_shard_placement
+
+    ep_moe = MoE(HIDDEN, test_moe_ep.FFN, test_moe_ep.NUM_EXPERTS, 2, ep_mesh=world_mesh["ep"])
+    with pytest.raises(ValueError, match=r"^expert_shard_placement: dp_mesh must be a 1-D DeviceMesh"):
+        expert_shard_placement(ep_moe, world_mesh)
+    with pytest.raises(ValueError, match=r"^expert_shard_placement: Linear holds no fusible_ops.MoE"):
+        expert_shard_placement(nn.Linear(2, 2), world_mesh["dp"])
+    plain = Block(MoE(HIDDEN, test_moe_ep.FFN, test_moe_ep.NUM_EXPERTS, 2), torch.float32)
+    with pytest.raises(ValueError, match=r"^expert_shard_placement: the MoE 'moe' has no ep_mesh"):
+        expert_shard_placement(plain, world_mesh["dp"])
+    place = expert_shard_placement(ep_moe, world_mesh["dp"])
+    assert place(ep_moe.router.weight) is None and place(ep_moe.experts[0].weight).placement.dim == 0
+
+
 def _worker(rank: int, world: int, port: int, _args) -> None:
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
@@ -122,6 +137,7 @@ def _worker(rank: int, world: int, port: int, _args) -> None:
     try:
         world_mesh = init_device_mesh("cpu", (world // EP, EP), mesh_dim_names=("dp", "ep"))
         dp_ep_mesh = world_mesh["dp", "ep"]._flatten("dp_ep")
+        _check_expert_shard_placement_errors(world_mesh)
         ref = _reference_block()
         eager, eager_moe = _recipe_block(ref, world_mesh, dp_ep_mesh)
         block, moe = _recipe_block(ref, world_mesh, dp_ep_mesh)
