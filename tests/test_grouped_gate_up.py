@@ -141,9 +141,10 @@ def test_refusals_and_declines():
     op = fo.GroupedGateUpLinear(G, K, HID)
     with pytest.raises(TypeError, match="no single fc1 weight"):
         op.weight_out_in()
-    with pytest.raises(NotImplementedError, match="low-precision recipes are not supported"):
+    with pytest.raises(ValueError, match="GroupedGateUpLinear: recipe .* quantizes bfloat16"):
         with fo.quantized(fo.recipes.Float8Tensorwise()):
-            op(torch.randn(3, K), [1, 1, 1])
+            op.double()(torch.randn(3, K, dtype=torch.float64), [1, 1, 1])
+    op.float()
     # an interleaved gated activation does not read [gate | up] halves: not fused, still right
     block = fo.Sequential(op, fo.SwiGLU(glu_interleave_size=1), fo.GroupedLinear(G, HID, H))
     x = torch.randn(3, K)

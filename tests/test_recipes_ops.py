@@ -205,3 +205,79 @@ def test_fused_equals_unfused(recipe):
     assert rel(y, y2.double()) <= 1e-6
     for a, b in zip(g, g2):
         assert rel(a, b.double()) <= 1e-6
+
+
+def gate_up_reference(x, w_gate, w_up, w2, dy, recipe):
+    """Separate gate and up GEMMs -> SwiGLU -> fc2, each GEMM quantized as GroupedLinear's:
+    ``(y, dx, d_gate_w, d_up_w, dw2)`` in float64 (rounded where fp32 results are stored)."""
+    dtype, none = torch.float32, torch.zeros(x.shape[0], w_gate.shape[1])
+    gate = ref.grouped_gemms(x, none, w_gate, None, GROUPS, recipe, dtype)[0]
+    up = ref.grouped_gemms(x, none, w_up, None, GROUPS, recipe, dtype)[0]
+    gate_leaf, up_leaf = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+    act_exact = gate_leaf * torch.sigmoid(gate_leaf) * up_leaf
+    act = ref.rd(act_exact.detach(), dtype)
+    y, d_act, dw2, _ = ref.grouped_gemms(act.float(), dy, w2, None, GROUPS, recipe, dtype)
+    grad_gate, grad_up = (
+        ref.rd(g, dtype) for g in torch.autograd.grad(act_exact, (gate_leaf, up_leaf), d_act)
+    )
+    _, dx_gate, d_gate_w, _ = ref.grouped_gemms(x, grad_gate.float(), w_gate, None, GROUPS, recipe, dtype)
+    _, dx_up, d_up_w, _ = ref.grouped_gemms(x, grad_up.float(), w_up, None, GROUPS, recipe, dtype)
+    return y, ref.rd(dx_gate + dx_up, dtype), d_gate_w, d_up_w, dw2
+
+
+GATE_UP_RECIPES = [R.MXFP8(), R.MXFP8(scale_rounding="floor"), R.Float8Rowwise(), R.Float8Tensorwise()]
+
+
+@pytest.mark.parametrize("recipe", [*GATE_UP_RECIPES, R.Float8Rowwise(wgrad_high_precision=True)], ids=repr)
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "unfused"])
+def test_gate_up_block(recipe, fusion):
+    """fc1 with separate gate and up weights (torchtitan's w1/w3) under a recipe: two
+    quantized fc1 GEMMs sharing one quantized input, fused or not."""
+    torch.manual_seed(0)
+    seq = fo.Sequential(fo.GroupedGateUpLinear(4, 64, 48), fo.SwiGLU(), fo.GroupedLinear(4, 48, 64))
+    m = sum(GROUPS)
+    x = torch.randn(m, 64, requires_grad=True)
+    dy = torch.randn(m, 64)
+    splits = torch.tensor(GROUPS)
+    leaves = [x, seq[0].gate_weight, seq[0].up_weight, seq[2].weight]
+    with fo.settings(fusion=fusion):
+        y0 = _backward(seq, (x, splits, splits), dy)
+        g0 = _grads(leaves)
+        with fo.quantized(recipe):
+            y = _backward(seq, (x, splits, splits), dy)
+            plan = str(seq.last_plan)
+        g = _grads(leaves)
+    assert ("GroupedMLP" in plan) == fusion and repr(recipe) in plan
+    weights = [t.detach() for t in leaves[1:]]
+    y_ref, dx_ref, dg_ref, du_ref, dw2_ref = gate_up_reference(x.detach(), *weights, dy, recipe)
+    check(y, y_ref, y0, OUT_TOL)
+    check(g[0], dx_ref, g0[0], GRAD_TOL)
+    for got, want, unq in zip(g[1:], (dg_ref, du_ref, dw2_ref), g0[1:]):
+        if recipe.wgrad_high_precision:
+            assert rel(got, want) <= 1e-5
+        else:
+            check(got, want, unq, GRAD_TOL)
+
+
+@pytest.mark.parametrize("pattern", ["scaled", "scale_after"])
+def test_gate_up_scaled_patterns_fused_equal_unfused(pattern):
+    torch.manual_seed(0)
+    fc1, fc2 = fo.GroupedGateUpLinear(4, 64, 48), fo.GroupedLinear(4, 48, 64, bias=True)
+    if pattern == "scaled":
+        seq = fo.Sequential(fc1, fo.ScaledSwiGLU(), fc2)
+    else:
+        seq = fo.Sequential(fc1, fo.SwiGLU(), fc2, fo.Scale())
+    m = sum(GROUPS)
+    x, probs = torch.randn(m, 64, requires_grad=True), torch.rand(m, requires_grad=True)
+    splits = torch.tensor(GROUPS)
+    args = (x, splits, probs, splits) if pattern == "scaled" else (x, splits, splits, probs)
+    dy = torch.randn(m, 64)
+    leaves = [x, probs, *seq.parameters()]
+    results = []
+    for fusion in (True, False):
+        with fo.settings(fusion=fusion), fo.quantized(R.MXFP8()):
+            y = _backward(seq, args, dy)
+            assert ("GroupedMLP" in str(seq.last_plan)) == fusion
+        results.append([y, *_grads(leaves)])
+    for fused, unfused in zip(*results):
+        assert rel(fused, unfused.double()) <= 1e-6

@@ -29,6 +29,7 @@ from torchtitan.models.common.token_dispatcher import (  # noqa: E402
     LocalTokenDispatcher,
 )
 
+import fusible_ops as fo  # noqa: E402
 from fusible_ops.integrations import torchtitan as fo_titan  # noqa: E402
 
 # torch._grouped_mm (torchtitan's own experts) needs rows of a multiple of 16 bytes in bf16
@@ -176,6 +177,99 @@ def test_refuses_experts_converted_to_low_precision():
     layer.routed_experts.inner_experts.__class__ = Float8GroupedExperts
     with pytest.raises(ValueError, match="Float8GroupedExperts.*low-precision converter"):
         fo_titan.convert(layer)
+
+
+def _quantized_experts(experts: GroupedExperts, recipe):
+    """An independent float64 emulation of the experts' forward under ``recipe``: each of
+    the three GEMMs' operands quantized along the contraction (tests/recipe_reference.py)."""
+    from tests import recipe_reference as ref
+
+    def forward(x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        groups = num_tokens_per_expert_E.tolist()
+        w1, w2, w3 = (ref.quantize_weight(w.detach(), recipe, "columns") for w in
+                      (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))  # fmt: skip
+        x_q = ref.quantize(x_RD.detach(), recipe, "input", "columns", groups)
+        act, start = torch.zeros(x_RD.shape[0], w1.shape[1], dtype=torch.float64), 0
+        for e, count in enumerate(groups):
+            rows = slice(start, start + count)
+            gate, up = ref.rd(x_q[rows] @ w1[e].T, torch.float32), ref.rd(x_q[rows] @ w3[e].T, torch.float32)
+            act[rows] = ref.rd(torch.nn.functional.silu(gate) * up, torch.float32)
+            start += count
+        act_q, out, start = ref.quantize(act.float(), recipe, "input", "columns", groups), [], 0
+        for e, count in enumerate(groups):
+            out.append(act_q[start : start + count] @ w2[e].T)
+            start += count
+        return torch.cat(out).to(x_RD.dtype)
+
+    return forward
+
+
+@pytest.mark.parametrize("name", ["mxfp8_rceil", "rowwise", "tensorwise"])
+def test_recipe_matches_quantized_emulation(name):
+    """``recipe=`` (a torchtitan name) quantizes the experts' GEMMs: the forward equals an
+    independent emulation, differs visibly from fp32, and compiled equals eager."""
+    state = _titan_layer().state_dict()
+    layer = fo_titan.convert_config(_config(), recipe=name).build()
+    layer.load_state_dict(state)
+    reference = _config().build()
+    reference.load_state_dict(state)
+    experts = reference.routed_experts.inner_experts
+    recipe = fo_titan.RECIPE_NAMES[name]
+    assert layer.routed_experts.inner_experts.recipe == recipe
+    torch.manual_seed(3)
+    x, grad = torch.randn(2, 40, DIM), torch.randn(2, 40, DIM)
+    plain = _run(reference, x, grad)
+    experts.forward = _quantized_experts(experts, recipe)
+    expected = reference(x).detach()
+    got = _run(layer, x, grad)
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    assert rel(got[0], expected) <= 2e-3 < rel(plain[0], expected) / 3
+    assert 2e-3 < rel(got[1], plain[1]) < 0.2  # quantized gradients, near the fp32 ones
+    assert repr(recipe) in layer.routed_experts.inner_experts.explain(
+        torch.randn(12, DIM), torch.tensor([3, 0, 4, 5])
+    )
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for a, b in zip(_run(layer, x, grad, compiled), got):
+        assert rel(a, b) <= 1e-6
+
+
+def test_recipes_of_torchtitan_converters_are_kept():
+    """A config converted by torchtitan's float8 / MXFP8 experts converters (their convert()
+    alone: the converters' constructors need a GPU and torchao) keeps its recipe."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
+    from torchtitan.components.quantization.mx import MXFP8GroupedExpertsConverter
+
+    float8 = Float8GroupedExpertsConverter.convert(SimpleNamespace(PAD_MULTIPLE=16), _config(ep=True))
+    mx_converter = SimpleNamespace(config=SimpleNamespace(pad_multiple=32, recipe_name="mxfp8_rceil"))
+    mxfp8 = MXFP8GroupedExpertsConverter.convert(mx_converter, _config(ep=True))
+    for config, want in ((float8, fo.recipes.Float8Rowwise()), (mxfp8, fo.recipes.MXFP8())):
+        converted = fo_titan.convert_config(config).routed_experts.inner_experts
+        assert type(converted) is fo_titan.FusibleGroupedExperts.Config and converted.recipe == want
+    float8 = Float8GroupedExpertsConverter.convert(SimpleNamespace(PAD_MULTIPLE=16), _config(ep=True))
+    explicit = fo_titan.convert_config(float8, recipe=fo.recipes.MXFP8(scale_rounding="floor"))
+    assert explicit.routed_experts.inner_experts.recipe == fo.recipes.MXFP8(scale_rounding="floor")
+    with pytest.raises(ValueError, match="unknown recipe name 'fp4'"):
+        fo_titan.convert_config(_config(), recipe="fp4")
+
+
+def test_refuses_experts_with_their_own_math():
+    from dataclasses import dataclass
+
+    class GptOssLikeExperts(GroupedExperts):  # math of its own, as gpt-oss's experts
+        @dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            swiglu_limit: float = 7.0
+
+    config = _config()
+    config.routed_experts.inner_experts = GptOssLikeExperts.Config(
+        dim=DIM, hidden_dim=HIDDEN, num_experts=EXPERTS
+    )
+    with pytest.raises(
+        TypeError, match="GptOssLikeExperts is a subclass of GroupedExperts with its own math"
+    ):
+        fo_titan.convert_config(config)
 
 
 def _ep_worker(rank: int, world: int, port: int, counts: list[int]) -> None:

@@ -12,7 +12,7 @@ from ..core.dtypes import cast, compute_dtype, compute_dtype_of
 from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from ..core.shapes import as_rows
 from ..core.splits import SplitInfo, to_split_info
-from ..kernels import library as kernel_ops
+from .gate_up_gemms import SAVED_INPUT_NAMES, block_gemms
 from .grouped_linear import GroupedLinear, check_float_input, check_params
 
 
@@ -36,7 +36,8 @@ class GroupedGateUpLinear(GroupedLinear):
         output: ``[..., 2 * F]``.
 
     ``op_kwargs``: ``output`` (``[>= rows, 2 * F]``) and ``grad_input`` (``[>= rows, K]``).
-    Low-precision recipes are not supported by this op (a call under one raises).
+    Under a low-precision recipe the gate and up GEMMs are quantized as two GroupedLinear
+    GEMMs sharing one quantized input (see :mod:`fusible_ops.basic.gate_up_gemms`).
     """
 
     param_names = ("gate_weight", "up_weight")
@@ -101,12 +102,6 @@ class GroupedGateUpLinear(GroupedLinear):
     def _load_from_state_dict(self, *args: Any) -> None:
         BasicOperation._load_from_state_dict(self, *args)
 
-    def plan_quantized(self, device: torch.device, dtype: torch.dtype, settings) -> Any:
-        raise NotImplementedError(
-            f"{self.op_name()}: low-precision recipes are not supported with separate gate and up "
-            f"weights (recipe {settings.recipe!r}); use GroupedLinear with a [G, 2F, K] weight"
-        )
-
     def preflight(self, input_meta: TensorMeta, extra_inputs, kwargs, *, guard) -> TensorMeta:
         name = self.op_name()
         shape = (self.num_groups, self.hidden_features, self.in_features)
@@ -138,18 +133,19 @@ class GroupedGateUpLinear(GroupedLinear):
     ) -> torch.Tensor:
         dtype = compute_dtype_of(input_)
         x = cast(as_rows(input_, self.in_features), dtype)
-        gate_weight, up_weight = cast(ctx.params["gate_weight"], dtype), cast(ctx.params["up_weight"], dtype)
+        params = (ctx.params["gate_weight"], ctx.params["up_weight"])
+        weights = (cast(params[0], dtype), cast(params[1], dtype))
         splits = to_split_info(split_sizes, x.shape[0], x)
-        backend = ctx.backend_choice.backend
-        halves = [kernel_ops.fprop(backend, x, w, splits) for w in (gate_weight, up_weight)]
+        gemms = block_gemms(ctx.backend_choice, params, self.op_name(), dtype)
+        halves = gemms.fc1(x, weights, splits)
         out2d = buffer_rows(output, x.shape[0], self.out_features)  # checked in preflight
         y = torch.cat(halves, dim=-1) if out2d is None else torch.cat(halves, dim=-1, out=out2d)
         if ctx.requires_grad:
-            needs_x = ctx.needs_param_grad("gate_weight") or ctx.needs_param_grad("up_weight")
-            ctx.save_for_backward(
-                x=x if needs_x else None, offsets=splits.offsets, host_sizes=splits.host_sizes
-            )
-            ctx.backend = backend
+            saved_x = dict.fromkeys(SAVED_INPUT_NAMES)
+            if ctx.needs_param_grad("gate_weight") or ctx.needs_param_grad("up_weight"):
+                saved_x.update(gemms.save_input(ctx, x, splits))
+            ctx.save_for_backward(**saved_x, offsets=splits.offsets, host_sizes=splits.host_sizes)
+            ctx.gemms = gemms
             ctx.host_splits = splits.host
             ctx.input_shape = input_.shape
             ctx.compute_dtype = dtype
@@ -157,7 +153,7 @@ class GroupedGateUpLinear(GroupedLinear):
         return y if y.shape == out_shape else y.view(out_shape)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
-        saved, backend, dtype = ctx.saved, ctx.backend, ctx.compute_dtype
+        saved, gemms, dtype = ctx.saved, ctx.gemms, ctx.compute_dtype
         splits = SplitInfo(ctx.host_splits, saved["offsets"], saved["host_sizes"])
         dy = cast(as_rows(grad_output, self.out_features), dtype)
         grads_out = [half.contiguous() for half in dy.split(self.hidden_features, dim=-1)]
@@ -165,29 +161,11 @@ class GroupedGateUpLinear(GroupedLinear):
         grad_input = None
         if ctx.input_requires_grad:
             out = buffer_rows(ctx.grad_input_buffer, dy.shape[0], self.in_features)
-            grad_input = input_grad(
-                backend, grads_out, [cast(ctx.params[n], dtype) for n in names], splits, out
-            )
-            grad_input = grad_input.view(ctx.input_shape)
+            weights = (cast(ctx.params[names[0]], dtype), cast(ctx.params[names[1]], dtype))
+            grad_input = gemms.fc1_dgrad(grads_out, weights, splits, out).view(ctx.input_shape)
+        x = gemms.saved_input(ctx) if any(ctx.needs_param_grad(n) for n in names) else None
         grad_params = [
-            cast(kernel_ops.wgrad(backend, g, saved["x"], splits), ctx.params[n].dtype)
-            if ctx.needs_param_grad(n)
-            else None
+            cast(gemms.wgrad(g, x, splits), ctx.params[n].dtype) if ctx.needs_param_grad(n) else None
             for g, n in zip(grads_out, names)
         ]
         return OpBackward(grad_input, grad_params, (None,))
-
-
-def input_grad(
-    backend: Any,
-    grads_out: list[torch.Tensor],
-    weights: list[torch.Tensor],
-    splits: SplitInfo,
-    out: torch.Tensor | None,
-) -> torch.Tensor:
-    """``sum_i grads_out[i] @ weights[i][g]`` per group: the input gradient of GEMMs that
-    share their input (``out``, when given, receives it)."""
-    grad_input = kernel_ops.dgrad(backend, grads_out[0], weights[0], splits, out=out)
-    for grad_out, weight in zip(grads_out[1:], weights[1:]):
-        grad_input.add_(kernel_ops.dgrad(backend, grad_out, weight, splits))
-    return grad_input

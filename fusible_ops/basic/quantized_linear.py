@@ -43,6 +43,16 @@ def saved_wgrad_input(ctx: OperationContext) -> Tensor | QuantizedOperand:
     return QuantizedOperand.from_saved(saved, "x", ctx.x_layout)
 
 
+def grouped_wgrad(choice: QuantizedChoice, quantized: bool, grad_out: Tensor, x, splits: SplitInfo) -> Tensor:
+    """``[G, N, K]``: quantized along rows (fp32 result), or the high-precision grouped wgrad."""
+    if not quantized:
+        return kernel_ops.wgrad(choice.backend, grad_out, x, splits)
+    grad_rows = quantize_rows(grad_out, choice.recipe, "grad", ALONG_ROWS, splits.offsets)
+    if not isinstance(x, QuantizedOperand):
+        x = quantize_rows(x, choice.recipe, "input", ALONG_ROWS, splits.offsets)
+    return qkernels.wgrad(choice, grad_rows, x, splits)
+
+
 # ---------------------------------------------------------------- GroupedLinear
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..basic.activations import Activation
+from ..basic.gate_up_gemms import PlainGemms, block_gemms
 from ..basic.grouped_gate_up import GroupedGateUpLinear
 from ..basic.grouped_linear import GroupedLinear
 from ..basic.scale import Scale
@@ -92,6 +93,12 @@ class GroupedMLP(FusedOperation):
     def _scales_position(self) -> int:
         return 3 if self.scale_after_fc2 else 1
 
+    def _gate_up_gemms(self, p1: dict, p2: dict, dtype: Any) -> PlainGemms:
+        """The block's GEMMs: quantized under the plan's recipe, else on its backend."""
+        choice = self.choice if self.quantized is None else self.quantized
+        params = (p1["gate_weight"], p1["up_weight"], p2["weight"])
+        return block_gemms(choice, params, self.fc1.op_name(), dtype)
+
     def _gate_up_forward(self, basic_op_ctxs, input_, extra_inputs, kwargs) -> FusedForward:
         ctx1, p1, p2 = basic_op_ctxs[0], basic_op_ctxs[0].params, basic_op_ctxs[2].params
         dtype = compute_dtype_of(input_)
@@ -106,8 +113,9 @@ class GroupedMLP(FusedOperation):
         scales = None if scales_in is None else as_flat(scales_in)
         out2d = buffer_rows(kwargs[2].get(OUTPUT_BUFFER_KEY), x.shape[0], self.fc2.out_features)
         save = any([c.requires_grad for c in basic_op_ctxs])
+        gemms = self._gate_up_gemms(p1, p2, dtype)
         y = grouped_mlp_gate_up.mlp_forward(
-            self, ctx1, x, weights, cast(p2["bias"], dtype), scales, splits, out2d, save
+            self, ctx1, gemms, x, weights, cast(p2["bias"], dtype), scales, splits, out2d, save
         )
         if save:
             self._keep_call_facts(ctx1, splits, input_, dtype, scales_in)
@@ -135,7 +143,7 @@ class GroupedMLP(FusedOperation):
         )
         out = buffer_rows(ctx1.grad_input_buffer, dy.shape[0], self.fc1.in_features) if needs[0] else None
         grad_input, grad_fc1, grad_w2, grad_b2, grad_scales = grouped_mlp_gate_up.mlp_backward(
-            self, ctx1, dy, weights, needs, out
+            self, ctx1, self._gate_up_gemms(p1, p2, dtype), dy, weights, needs, out
         )
         if grad_input is not None and grad_input.shape != ctx1.input_shape:
             grad_input = grad_input.view(ctx1.input_shape)
@@ -296,8 +304,6 @@ def _check_mlp(context: FusionContext, ops: list[BasicOperation], first: int) ->
                 f"{activation.op_name()} does not read fc1's output as [gate | up] halves, which "
                 "separate gate and up weights make"
             )
-        if context.settings.recipe is not None:
-            return "low-precision recipes are not supported with separate gate and up weights"
     if fc1.num_groups != fc2.num_groups:
         return f"fc1.num_groups ({fc1.num_groups}) != fc2.num_groups ({fc2.num_groups})"
     if spec.gated and fc1.out_features != 2 * fc2.in_features:
@@ -337,10 +343,6 @@ def _build(scale_after_fc2: bool, scaled: bool = True):
         choice = select_backend(
             context.device, context.dtype, purpose="mlp", forced=context.settings.backend, features=features
         )
-        if isinstance(ops[0], GroupedGateUpLinear):
-            fused = GroupedMLP(ops, choice, scale_after_fc2=scale_after_fc2, scaled=scaled)
-            fused.note = "; ".join(_gate_up_notes(context, choice, first, scaled, scale_after_fc2))
-            return fused
         quantized = None
         if context.settings.recipe is not None:
             quantized = select_quantized(
@@ -348,6 +350,16 @@ def _build(scale_after_fc2: bool, scaled: bool = True):
                 forced_backend=context.settings.backend, engine=context.settings.recipe_backend,
                 features=features,
             )  # fmt: skip
+        if isinstance(ops[0], GroupedGateUpLinear):
+            fused = GroupedMLP(
+                ops, choice, scale_after_fc2=scale_after_fc2, scaled=scaled, quantized=quantized
+            )
+            notes = _gate_up_notes(context, choice, first, scaled, scale_after_fc2)
+            if quantized is not None:
+                notes[0] = quantized.explain()
+                notes.insert(2, "fc1's input quantized once for both; fc2's input quantized once")
+            fused.note = "; ".join(notes)
+            return fused
         fused = GroupedMLP(ops, choice, scale_after_fc2=scale_after_fc2, quantized=quantized)
         notes = _plan_notes(context, choice, ops[1].spec, first, scale_after_fc2)
         if quantized is not None:

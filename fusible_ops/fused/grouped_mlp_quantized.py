@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ..basic.quantized_linear import save_wgrad_input, saved_wgrad_input
+from ..basic.quantized_linear import grouped_wgrad, save_wgrad_input, saved_wgrad_input
 from ..core.splits import SplitInfo
 from ..kernels import library as kernel_ops
 from ..kernels import quantized as qkernels
 from ..kernels.activation import activation_backward, activation_forward, row_dot
 from ..kernels.quantized import QuantizedChoice
-from ..recipes.quantize import QuantizedOperand, check_quantizable, quantize_rows
+from ..recipes.quantize import check_quantizable, quantize_rows
 from ..recipes.recipes import ALONG_COLUMNS, ALONG_ROWS
 from ..recipes.weight_cache import quantized_weight
 
@@ -101,7 +101,7 @@ def mlp_backward(mlp, ctx1, choice: QuantizedChoice, dy: Tensor, weights, needs,
     quantized_wgrad = "wgrad" in recipe.quantized_gemms()
     grad_w2 = grad_w1 = None
     if need_w2:
-        grad_w2 = _wgrad(choice, quantized_wgrad, d_z, fc2_in, splits)
+        grad_w2 = grouped_wgrad(choice, quantized_wgrad, d_z, fc2_in, splits)
     grad_b2 = kernel_ops.bias_grad(choice.backend, d_z, splits, groups) if need_b2 else None
     grad_input = None
     if need_input:
@@ -110,16 +110,7 @@ def mlp_backward(mlp, ctx1, choice: QuantizedChoice, dy: Tensor, weights, needs,
         grad_input = qkernels.dgrad(choice, grad_pre_q, w1_q, splits, grad_input_out, dtype)
     if need_w1:
         x = saved_wgrad_input(ctx1)
-        grad_w1 = _wgrad(choice, quantized_wgrad, grad_pre, x, splits)
+        grad_w1 = grouped_wgrad(choice, quantized_wgrad, grad_pre, x, splits)
     grad_b1 = kernel_ops.bias_grad(choice.backend, grad_pre, splits, groups) if need_b1 else None
     return grad_input, grad_w1, grad_b1, grad_w2, grad_b2, grad_scales
 
-
-def _wgrad(choice: QuantizedChoice, quantized: bool, grad_out: Tensor, x, splits: SplitInfo) -> Tensor:
-    """``[G, N, K]``: quantized along rows (fp32 result), or the high-precision grouped wgrad."""
-    if not quantized:
-        return kernel_ops.wgrad(choice.backend, grad_out, x, splits)
-    grad_rows = quantize_rows(grad_out, choice.recipe, "grad", ALONG_ROWS, splits.offsets)
-    if not isinstance(x, QuantizedOperand):
-        x = quantize_rows(x, choice.recipe, "input", ALONG_ROWS, splits.offsets)
-    return qkernels.wgrad(choice, grad_rows, x, splits)

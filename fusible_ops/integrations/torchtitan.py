@@ -17,8 +17,13 @@ Parameters, their names, initialisation and sharding rules are torchtitan's (the
 a subclass of ``GroupedExperts``); state dicts load either way. torchtitan's own experts
 cast to bf16 for every GEMM; these compute in the dtype of the tokens they receive, or in
 ``compute_dtype`` when given (``torch.bfloat16`` reproduces torchtitan's own rounding).
-torchtitan's float8 and MXFP8 experts converters replace the same GEMMs: a model that one of
-them converted is refused, naming it.
+Low precision: ``recipe=`` (a :mod:`fusible_ops.recipes` recipe, or a torchtitan / torchao
+recipe name such as ``"rowwise"``, ``"rowwise_with_gw_hp"`` or ``"mxfp8_rceil"``) runs the
+experts' GEMMs quantized by fusible-ops; with None they follow ``fo.quantized``. A model
+config that torchtitan's float8 or MXFP8 experts converter already converted keeps that
+converter's recipe (``Float8GroupedExperts``: rowwise FP8; ``MXFP8GroupedExperts``: its
+``recipe_name``), computed by fusible-ops instead of torchao. A built model whose experts
+such a converter made (torchao has rewritten their parameters) is refused, naming it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import torch
 
 from ..basic import GroupedGateUpLinear, GroupedLinear, SwiGLU
 from ..fuser.sequential import Sequential
+from ..recipes import recipes as fo_recipes
+from ..recipes.context import check_recipe
 
 try:  # torchtitan is an optional extra
     from torchtitan.models.common.moe import GroupedExperts
@@ -38,14 +45,39 @@ except ImportError as error:  # pragma: no cover - exercised where torchtitan is
         "fusible_ops.integrations.torchtitan needs torchtitan (pip install torchtitan==0.3.0)"
     ) from error
 
-__all__ = ["FusibleGroupedExperts", "convert", "convert_config"]
+__all__ = ["FusibleGroupedExperts", "convert", "convert_config", "recipe_from_name"]
+
+#: torchtitan's and torchao's recipe names, as fusible-ops recipes of the same semantics
+RECIPE_NAMES: dict[str, fo_recipes.Recipe] = {
+    "rowwise": fo_recipes.Float8Rowwise(),
+    "rowwise_with_gw_hp": fo_recipes.Float8Rowwise(wgrad_high_precision=True),
+    "tensorwise": fo_recipes.Float8Tensorwise(),
+    "mxfp8_rceil": fo_recipes.MXFP8(scale_rounding="rceil"),
+    "mxfp8_floor": fo_recipes.MXFP8(scale_rounding="floor"),
+}
+
+
+def recipe_from_name(recipe: fo_recipes.Recipe | str | None) -> fo_recipes.Recipe | None:
+    """A fusible-ops recipe for ``recipe``: itself, or the recipe a torchtitan / torchao
+    name stands for (see :data:`RECIPE_NAMES`); raises ``ValueError`` for another name."""
+    if not isinstance(recipe, str):
+        return check_recipe("fusible_ops.integrations.torchtitan", recipe)
+    found = RECIPE_NAMES.get(recipe)
+    if found is None:
+        raise ValueError(
+            f"fusible_ops.integrations.torchtitan: unknown recipe name {recipe!r}; "
+            f"known: {', '.join(sorted(RECIPE_NAMES))} (or pass a fusible_ops.recipes recipe)"
+        )
+    return found
 
 
 class FusibleGroupedExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts`` computed by fusible-ops' fused expert block.
 
     Args (``Config``): torchtitan's ``dim``, ``hidden_dim``, ``num_experts``, plus
-        ``compute_dtype``: the dtype of the GEMMs; None (default): the tokens' dtype.
+        ``compute_dtype``: the dtype of the GEMMs; None (default): the tokens' dtype;
+        ``recipe``: the low-precision recipe of the GEMMs (a recipe or a torchtitan name,
+        see :func:`recipe_from_name`); None (default): ``fo.quantized``'s, if any.
 
     Shape (``forward``): ``x_RD`` ``[R, D]`` token rows sorted by expert,
     ``num_tokens_per_expert_E`` ``[e]`` rows per (local) expert; returns ``[R, D]`` in
@@ -54,16 +86,19 @@ class FusibleGroupedExperts(GroupedExperts):
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
-        """torchtitan's experts config, plus ``compute_dtype`` (None: the tokens' dtype)."""
+        """torchtitan's experts config, plus ``compute_dtype`` (None: the tokens' dtype) and
+        ``recipe`` (None: follow ``fo.quantized``)."""
 
         compute_dtype: torch.dtype | None = None
+        recipe: Any = None
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self._setup_fusible(config.compute_dtype)
+        self._setup_fusible(config.compute_dtype, config.recipe)
 
-    def _setup_fusible(self, compute_dtype: torch.dtype | None) -> None:
+    def _setup_fusible(self, compute_dtype: torch.dtype | None, recipe: Any = None) -> None:
         self.compute_dtype = compute_dtype
+        self.recipe = recipe_from_name(recipe)
         # blocks by local shapes (expert or tensor parallelism changes them); built on the meta
         # device and never registered: each call computes with this module's own parameters
         self._blocks: dict[tuple[int, int, int], Sequential] = {}
@@ -90,6 +125,7 @@ class FusibleGroupedExperts(GroupedExperts):
                 GroupedGateUpLinear(num_local_experts, dim, hidden, device="meta"),
                 SwiGLU(),
                 GroupedLinear(num_local_experts, hidden, dim, device="meta"),
+                recipe=self.recipe,
             )
             self._blocks[(num_local_experts, hidden, dim)] = block
         return block
@@ -116,7 +152,8 @@ class FusibleGroupedExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         dtype = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
-        return f"num_experts={self.num_experts}{dtype}, fused by fusible-ops"
+        recipe = "" if self.recipe is None else f", recipe={self.recipe!r}"
+        return f"num_experts={self.num_experts}{dtype}{recipe}, fused by fusible-ops"
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -127,24 +164,51 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 def _refuse_converted(name: str) -> None:
     if name != "GroupedExperts" and name.startswith(("Float8", "MXFP8", "Mxfp8")):
         raise ValueError(
-            f"fusible_ops.integrations.torchtitan: the experts are {name}, converted by a torchtitan "
-            "low-precision converter; convert to fusible-ops before (not after) such a converter, "
-            "and leave the experts out of it: fusible-ops' experts run in the tokens' dtype"
+            f"fusible_ops.integrations.torchtitan: the experts are {name}, built by a torchtitan "
+            "low-precision converter (torchao has rewritten their parameters); convert the model "
+            "config instead (convert_config keeps the converter's recipe), or pass recipe= here"
         )
 
 
-def convert_config(model_config: Any, *, compute_dtype: torch.dtype | None = None) -> Any:
+def _check_math(owner: type) -> None:
+    """``GroupedExperts`` itself, or a low-precision converter's subclass of it: the math
+    fusible-ops reproduces (a subclass with math of its own, gpt-oss's, is refused)."""
+    low_precision = owner.__name__.startswith(("Float8", "MXFP8")) and owner.__bases__ == (GroupedExperts,)
+    if owner is not GroupedExperts and not low_precision:
+        raise TypeError(
+            f"fusible_ops.integrations.torchtitan.convert_config: {owner.__name__} is a subclass of "
+            "GroupedExperts with its own math; only GroupedExperts (or its float8 / MXFP8 "
+            "converted form) is converted"
+        )
+
+
+def _converter_recipe(owner: type, config: Any) -> fo_recipes.Recipe | None:
+    """The recipe of experts that torchtitan's float8 or MXFP8 experts converter made."""
+    name = owner.__name__
+    if name.startswith("MXFP8"):
+        return recipe_from_name(getattr(config, "recipe_name", "mxfp8_rceil"))
+    if name.startswith("Float8"):  # torchao's Float8TrainingOpConfig: dynamic rowwise FP8
+        return RECIPE_NAMES["rowwise"]
+    return None
+
+
+def convert_config(model_config: Any, *, compute_dtype: torch.dtype | None = None, recipe: Any = None) -> Any:
     """Swap every ``GroupedExperts.Config`` in a torchtitan model config for
-    :class:`FusibleGroupedExperts.Config` (same fields); returns the config (the root
-    itself may be replaced). Raises ``ValueError`` for experts already converted to a
-    low-precision subclass."""
+    :class:`FusibleGroupedExperts.Config` (the same fields); returns the config (the root
+    itself may be replaced). ``recipe``: see :func:`recipe_from_name`; experts that a
+    torchtitan float8 / MXFP8 converter converted keep that converter's recipe (an
+    explicit ``recipe`` wins)."""
+    recipe = recipe_from_name(recipe)
     for _fqn, config, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
         owner = type(config)._owner
         if owner is FusibleGroupedExperts:
             continue
-        _refuse_converted(owner.__name__)
+        _check_math(owner)
+        base = {f.name: getattr(config, f.name) for f in fields(GroupedExperts.Config)}
         new_config = FusibleGroupedExperts.Config(
-            **{f.name: getattr(config, f.name) for f in fields(config)}, compute_dtype=compute_dtype
+            **base,
+            compute_dtype=compute_dtype,
+            recipe=recipe if recipe is not None else _converter_recipe(owner, config),
         )
         if parent is None:
             model_config = new_config
@@ -155,10 +219,12 @@ def convert_config(model_config: Any, *, compute_dtype: torch.dtype | None = Non
     return model_config
 
 
-def convert(model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None) -> int:
+def convert(model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None, recipe: Any = None) -> int:
     """Make every torchtitan ``GroupedExperts`` in ``model`` (a built model) compute with
     fusible-ops, in place, keeping its parameters; returns how many were converted.
-    Call before ``fully_shard`` / parallelization, as torchtitan's converters run."""
+    ``recipe``: see :func:`recipe_from_name`. Call before ``fully_shard`` /
+    parallelization, as torchtitan's converters run."""
+    recipe = recipe_from_name(recipe)
     converted = 0
     for module in model.modules():
         if not isinstance(module, GroupedExperts) or isinstance(module, FusibleGroupedExperts):
@@ -170,6 +236,6 @@ def convert(model: torch.nn.Module, *, compute_dtype: torch.dtype | None = None)
                 "GroupedExperts with its own math; only GroupedExperts itself is converted"
             )
         module.__class__ = FusibleGroupedExperts
-        module._setup_fusible(compute_dtype)
+        module._setup_fusible(compute_dtype, recipe)
         converted += 1
     return converted

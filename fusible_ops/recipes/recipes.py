@@ -34,7 +34,7 @@ def _check_bool(recipe: object, name: str) -> None:
         raise TypeError(f"{type(recipe).__name__}: {name} must be a bool, got {value!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Recipe:
     """Base of the recipes: how each GEMM operand is quantized (see the subclasses).
 
@@ -57,6 +57,12 @@ class Recipe:
         for f in fields(self):
             if f.type in ("bool", bool):
                 _check_bool(self, f.name)
+
+    def __repr__(self) -> str:
+        # dataclass's own repr guards recursion with the thread id, which torch.compile cannot
+        # trace (a plan made while tracing names its recipe)
+        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"{type(self).__name__}({args})"
 
     def format_for(self, kind: str) -> Fp8Format:
         """The element format of an operand of ``kind`` (``"input"``, ``"grad"``, ``"weight"``)."""
@@ -81,7 +87,7 @@ def _along(tile_columns: Tile, along: str) -> Tile:
     return tile_columns if along == ALONG_COLUMNS else (tile_columns[1], tile_columns[0])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class MXFP8(Recipe):
     """OCP MX: blocks of 32 values along the contraction dim, one E8M0 scale each, E4M3 data.
 
@@ -114,7 +120,7 @@ class MXFP8(Recipe):
         return _along((1, self.block), along)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Float8Tensorwise(Recipe):
     """Current scaling, one fp32 scale ``fmax / amax`` per operand per group (per expert).
 
@@ -150,7 +156,7 @@ class Float8Tensorwise(Recipe):
         return (None, None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Float8Rowwise(Recipe):
     """One fp32 scale per vector along the contraction dim (per token row of activations,
     per output row of weights in forward), E4M3 data.
@@ -173,7 +179,7 @@ class Float8Rowwise(Recipe):
         return _along((1, None), along)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Float8Blockwise(Recipe):
     """DeepSeek-V3 style: 1x128 tiles for activations and gradients, 128x128 blocks for
     weights, E4M3 data, one fp32 scale per tile.
