@@ -13,7 +13,7 @@ import torch
 from ..core.dtypes import cast, compute_dtype, compute_dtype_of
 from ..core.op import BasicOperation, OpBackward, OperationContext, TensorMeta, check_sizes
 from ..kernels.quantized import QuantizedChoice, select_quantized
-from . import quantized_linear
+from . import quantized_linear, quantized_tp_linear
 from .grouped_linear import check_feature_op, check_float_input, check_params
 from .linear_dispatch import tp_linear_forward
 
@@ -60,12 +60,8 @@ class BasicLinear(BasicOperation):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
     def plan_quantized(self, device: torch.device, dtype: torch.dtype, settings) -> QuantizedChoice:
-        """How this op's GEMMs run under ``settings.recipe`` (see ``fusible_ops.recipes``)."""
-        if _is_dtensor(self.weight):
-            raise ValueError(
-                f"{self.op_name()}: recipe {settings.recipe!r} with a DTensor (tensor-parallel) weight is not "
-                "supported yet; run this layer outside fusible_ops.quantized or give it recipe=None"
-            )
+        """How this op's GEMMs run under ``settings.recipe`` (see ``fusible_ops.recipes``;
+        a DTensor weight: :mod:`fusible_ops.basic.quantized_tp_linear`)."""
         return select_quantized(settings.recipe, device, dtype, grouped=False, engine=settings.recipe_backend)
 
     static_preflight = True  # value checks, if any, are in check_values
@@ -85,6 +81,8 @@ class BasicLinear(BasicOperation):
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> OpBackward:
         if getattr(ctx, "quantized", None) is not None:
+            if getattr(ctx, "tensor_parallel", False):
+                return quantized_tp_linear.backward(self, ctx, grad_output)
             return quantized_linear.linear_backward(self, ctx, grad_output)
         x, weight = ctx.saved["input"], ctx.params["weight"]
         if _is_dtensor(weight):
@@ -111,6 +109,9 @@ def linear_forward(
     weight = ctx.params["weight"]
     if _is_dtensor(weight):
         dtype = input_.dtype
+        if type(ctx.backend_choice) is QuantizedChoice:
+            ctx.tensor_parallel = True
+            return quantized_tp_linear.forward(ctx, linear, ctx.backend_choice, input_, weight, bias)
     else:
         dtype = compute_dtype_of(input_)
         input_, weight, bias = cast(input_, dtype), cast(weight, dtype), cast(bias, dtype)

@@ -124,10 +124,11 @@ def grouped_backward(op, ctx: OperationContext, grad_output: Tensor) -> OpBackwa
 def linear_forward(
     ctx: OperationContext, linear, choice: QuantizedChoice, x: Tensor, weight: Tensor, bias: Tensor | None
 ) -> Tensor:
-    """``x`` ``[..., K]``, ``weight`` ``[N, K]`` (already in the compute dtype) -> ``[..., N]``."""
+    """``x`` ``[..., K]``, ``weight`` ``[N, K]`` (already in the compute dtype; a rank's
+    shard under tensor parallelism) -> ``[..., N]``."""
     recipe = choice.recipe
     check_quantizable(linear.op_name(), x.dtype, recipe)
-    x2d = x.reshape(-1, linear.in_features)
+    x2d = x.reshape(-1, weight.shape[1])
     x_q = quantize_rows(x2d, recipe, "input", ALONG_COLUMNS, None)
     w_q = quantized_weight(ctx.params["weight"], weight, recipe, ALONG_COLUMNS)
     y = qkernels.linear_fprop(choice, x_q, w_q, bias, x.dtype)
@@ -139,15 +140,19 @@ def linear_forward(
         ctx.quantized = choice
         ctx.compute_dtype = x.dtype
         ctx.input_shape = x.shape
-    return y.view(*x.shape[:-1], linear.out_features)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def linear_backward(linear, ctx: OperationContext, grad_output: Tensor) -> OpBackward:
+def linear_backward(
+    linear, ctx: OperationContext, grad_output: Tensor, weight_param: Tensor | None = None
+) -> OpBackward:
+    """``weight_param``: the weight (a rank's shard under tensor parallelism); default the
+    op's parameter."""
     choice: QuantizedChoice = ctx.quantized
     recipe = choice.recipe
-    weight_param = ctx.params["weight"]
+    weight_param = ctx.params["weight"] if weight_param is None else weight_param
     dtype = ctx.compute_dtype
-    dy = cast(grad_output, dtype).reshape(-1, linear.out_features).contiguous()
+    dy = cast(grad_output, dtype).reshape(-1, weight_param.shape[0]).contiguous()
     grad_input = grad_weight = None
     if ctx.input_requires_grad:
         dy_q = quantize_rows(dy, recipe, "grad", ALONG_COLUMNS, None)

@@ -6,7 +6,8 @@ An optimizer step or ``load_state_dict`` (in-place writes bump the version), ``p
 (a new data pointer) or a parameter swap (another tensor) makes the next call quantize
 afresh: a stale copy is never used. Micro-batches between two optimizer steps reuse it.
 FSDP2's unsharded parameters are written without a version bump, so they are never
-cached (quantized afresh on every call).
+cached (quantized afresh on every call); nor are DTensor (tensor-parallel) parameters,
+whose rank-local shards are quantized afresh on every call.
 While tracing (``torch.compile``) or under a dispatch mode the copy is made in the graph.
 """
 
@@ -74,7 +75,7 @@ def quantized_weight(
         The :class:`~fusible_ops.recipes.QuantizedOperand`, as
         :func:`~fusible_ops.recipes.quantize_weight` makes it.
     """
-    if not _cacheable() or _is_fsdp_unsharded(param):
+    if not _cacheable() or _is_fsdp_unsharded(param) or type(param).__name__ == "DTensor":
         return quantize_weight(weight, recipe, along)
     key = (recipe, along, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
     state = (param._version, param.data_ptr(), param.storage_offset())
