@@ -281,3 +281,58 @@ def test_gate_up_scaled_patterns_fused_equal_unfused(pattern):
         results.append([y, *_grads(leaves)])
     for fused, unfused in zip(*results):
         assert rel(fused, unfused.double()) <= 1e-6
+
+
+@pytest.mark.parametrize("recipe", [R.MXFP8(), R.Float8Rowwise(), R.Float8Tensorwise(), R.Float8Blockwise()], ids=repr)
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "unfused"])
+def test_pre_quantized_fc1_input(recipe, fusion):
+    """fc1's input already quantized (an EP dispatch that sent FP8 rows and scales): the
+    same output and gradients, bit for bit, as quantizing in the call; the operand given
+    is the one the GEMM reads; a caller output buffer is still written in place."""
+    seq = expert_block("swiglu", False)
+    m = sum(GROUPS)
+    x = torch.randn(m, 64, requires_grad=True)
+    probs = torch.rand(m, requires_grad=True)
+    dy = torch.randn(m, 64)
+    splits = torch.tensor(GROUPS)
+    leaves = [x, probs, seq[0].weight, seq[2].weight]
+    with fo.settings(fusion=fusion):
+        y, _ = run_block(seq, recipe, x, probs, splits, dy)
+        g = _grads(leaves)
+        x_q = R.quantize_input(x.detach(), recipe, GROUPS)
+        out = torch.full((m + 3, 64), 7.0)
+        kwargs = {0: {fo.QUANTIZED_INPUT_KEY: x_q}, 2: {fo.OUTPUT_BUFFER_KEY: out}}
+        y2, plan = run_block(seq, recipe, x, probs, splits, dy, op_kwargs=kwargs)
+        g2 = _grads(leaves)
+        assert ("GroupedMLP" in str(plan)) == fusion
+        assert torch.equal(y, y2) and torch.equal(out[:m], y) and bool((out[m:] == 7.0).all())
+        for a, b in zip(g, g2):
+            assert torch.equal(a, b)
+        # another operand is what the forward GEMM reads
+        other = R.quantize_input(2 * x.detach(), recipe, GROUPS)
+        y3, _ = run_block(seq, recipe, x, probs, splits, dy, op_kwargs={0: {fo.QUANTIZED_INPUT_KEY: other}})
+        _grads(leaves)
+        assert not torch.equal(y3, y)
+
+
+def test_pre_quantized_input_is_validated_before_any_write():
+    seq = expert_block("swiglu", False)
+    m = sum(GROUPS)
+    x, probs, splits = torch.randn(m, 64), torch.rand(m), torch.tensor(GROUPS)
+    mx = R.quantize_input(x, R.MXFP8(), GROUPS)
+    other_splits = R.quantize_input(x, R.Float8Tensorwise(), [m, 0, 0, 0])
+    cases = [
+        (R.Float8Rowwise(), mx, "column tiles of 32"),
+        (R.MXFP8(), R.quantize_input(x[:-1], R.MXFP8(), [5, 0, 43, 20]), "shape"),
+        (R.Float8Tensorwise(), other_splits, "row tiles that do not follow"),
+        (None, mx, "no low-precision recipe is in force"),
+        (R.MXFP8(), x, "must be a fusible_ops.recipes.QuantizedOperand"),
+    ]
+    for fusion in (True, False):
+        for recipe, operand, message in cases:
+            out = torch.full((m, 64), 7.0)
+            kwargs = {0: {fo.QUANTIZED_INPUT_KEY: operand}, 2: {fo.OUTPUT_BUFFER_KEY: out}}
+            with fo.settings(fusion=fusion), fo.quantized(recipe):
+                with pytest.raises((ValueError, TypeError), match=f"GroupedLinear.*quantized_input.*{message}"):
+                    seq(x, splits, probs, splits, op_kwargs=kwargs)
+            assert bool((out == 7.0).all())

@@ -1,5 +1,5 @@
 """The demo's toy MoE regression trained 300 steps under each recipe ends within 5% of
-the unquantized loss (figures in docs/low-precision.md)."""
+the unquantized loss, either way (figures in docs/low-precision.md)."""
 
 from __future__ import annotations
 
@@ -29,5 +29,5 @@ def unquantized_loss() -> float:
 )
 def test_training_matches_unquantized(recipe, unquantized_loss):
     loss = train_toy_moe(recipe)
-    assert loss <= 1.05 * unquantized_loss, (loss, unquantized_loss)
+    assert abs(loss / unquantized_loss - 1) <= 0.05, (loss, unquantized_loss)
     assert loss != unquantized_loss  # the recipe was in force

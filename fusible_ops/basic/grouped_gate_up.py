@@ -41,6 +41,7 @@ class GroupedGateUpLinear(GroupedLinear):
     """
 
     param_names = ("gate_weight", "up_weight")
+    accepted_kwargs = frozenset({OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY})
     static_preflight = True  # value checks are in check_values
 
     def __init__(

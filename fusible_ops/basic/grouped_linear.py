@@ -24,6 +24,7 @@ from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.quantized import QuantizedChoice, select_quantized
 from ..kernels.signature_checks import signature_fixes_kernel_args
+from ..recipes.quantize import QUANTIZED_INPUT_KEY, check_quantized_input
 from . import quantized_linear
 
 
@@ -138,8 +139,12 @@ class GroupedLinear(BasicOperation):
         split_sizes: extra input, ``[G]`` int tensor on any device, or a list of ints.
         output: ``[..., N]``.
 
-    ``op_kwargs``: ``output`` (buffer for the result, ``[>= rows, N]``) and ``grad_input``
-    (buffer for the input gradient, ``[>= rows, K]``).
+    ``op_kwargs``: ``output`` (buffer for the result, ``[>= rows, N]``), ``grad_input``
+    (buffer for the input gradient, ``[>= rows, K]``) and, under a recipe,
+    ``quantized_input``: the input already quantized (``fusible_ops.recipes.quantize_input``,
+    e.g. FP8 rows an expert-parallel dispatch sent), used by the forward GEMM instead of
+    quantizing ``input``; ``input`` (the high-precision rows, or the operand's
+    ``dequantize()``) is what backward's copies are made from.
     """
 
     num_extra_inputs = 1
@@ -148,7 +153,7 @@ class GroupedLinear(BasicOperation):
     in_features = fixed_at_construction("in_features", "``K``, the size of each input row.")
     out_features = fixed_at_construction("out_features", "``N``, the size of each output row.")
     weight_layout = fixed_at_construction("weight_layout", '``"out_in"`` or ``"in_out"``.')
-    accepted_kwargs = frozenset({OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY})
+    accepted_kwargs = frozenset({OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY, QUANTIZED_INPUT_KEY})
     buffer_kwargs = (OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY)
 
     def __init__(
@@ -302,6 +307,7 @@ class GroupedLinear(BasicOperation):
         split_sizes: Any,
         output: torch.Tensor | None = None,
         grad_input: torch.Tensor | None = None,  # reaches backward as ctx.grad_input_buffer
+        quantized_input: Any = None,
     ) -> torch.Tensor:
         dtype = compute_dtype_of(input_)
         weight_param = ctx.params["weight"]
@@ -312,10 +318,12 @@ class GroupedLinear(BasicOperation):
         out2d = buffer_rows(output, x.shape[0], self.out_features)  # checked in preflight
         if type(ctx.backend_choice) is QuantizedChoice:
             y = quantized_linear.grouped_forward(
-                self, ctx, ctx.backend_choice, x, weight_param, weight, bias, splits, out2d
+                self, ctx, ctx.backend_choice, x, weight_param, weight, bias, splits, out2d, quantized_input
             )
             ctx.input_shape = input_.shape
             return y if y.shape == out_shape else y.view(out_shape)
+        if quantized_input is not None:
+            check_quantized_input(self.op_name(), quantized_input, None, x, splits.offsets)
         backend: GroupedGemmBackend = ctx.backend_choice.backend  # the plan's choice
         y = kernel_ops.fprop(backend, x, weight, splits, bias=bias, out=out2d)
         if ctx.requires_grad:

@@ -19,7 +19,7 @@ from ..core.splits import SplitInfo
 from ..kernels import library as kernel_ops
 from ..kernels import quantized as qkernels
 from ..kernels.quantized import QuantizedChoice
-from ..recipes.quantize import QuantizedOperand, check_quantizable, quantize_rows
+from ..recipes.quantize import QuantizedOperand, check_quantizable, check_quantized_input, quantize_rows
 from ..recipes.recipes import ALONG_COLUMNS, ALONG_ROWS
 from ..recipes.weight_cache import quantized_weight
 
@@ -34,6 +34,17 @@ def save_wgrad_input(ctx: OperationContext, choice: QuantizedChoice, x: Tensor, 
     x_rows = quantize_rows(x, choice.recipe, "input", ALONG_ROWS, group_ends)
     ctx.x_layout = x_rows.layout()
     return {"x": None, **x_rows.to_save("x")}
+
+
+def fc_input(
+    op_name: str, x: Tensor, recipe, splits: SplitInfo, x_q: QuantizedOperand | None
+) -> QuantizedOperand:
+    """The forward GEMM's quantized input: the caller's ``x_q`` once checked, or ``x``
+    quantized along its columns."""
+    if x_q is None:
+        return quantize_rows(x, recipe, "input", ALONG_COLUMNS, splits.offsets)
+    check_quantized_input(op_name, x_q, recipe, x, splits.offsets)
+    return x_q
 
 
 def saved_wgrad_input(ctx: OperationContext) -> Tensor | QuantizedOperand:
@@ -66,11 +77,13 @@ def grouped_forward(
     bias: Tensor | None,
     splits: SplitInfo,
     out: Tensor | None,
+    x_q: QuantizedOperand | None = None,
 ) -> Tensor:
-    """``x`` ``[M, K]``, ``weight`` ``[G, N, K]`` (a view of ``weight_param``) -> ``[M, N]``."""
+    """``x`` ``[M, K]``, ``weight`` ``[G, N, K]`` (a view of ``weight_param``) -> ``[M, N]``;
+    ``x_q``: ``x`` already quantized by the caller (checked here, before any write)."""
     recipe = choice.recipe
     check_quantizable(op.op_name(), x.dtype, recipe)
-    x_q = quantize_rows(x, recipe, "input", ALONG_COLUMNS, splits.offsets)
+    x_q = fc_input(op.op_name(), x, recipe, splits, x_q)
     w_q = quantized_weight(weight_param, weight, recipe, ALONG_COLUMNS)
     y = qkernels.fprop(choice, x_q, w_q, splits, bias, out, x.dtype)
     if ctx.requires_grad:

@@ -35,6 +35,7 @@ from ..kernels import library as kernel_ops
 from ..kernels.activation import EXPERT_BLOCK_KINDS, ActivationSpec
 from ..kernels.quantized import QuantizedChoice, select_quantized
 from ..kernels.signature_checks import signature_fixes_kernel_args
+from ..recipes.quantize import QUANTIZED_INPUT_KEY, check_quantized_input
 from . import grouped_mlp_gate_up, grouped_mlp_quantized
 
 SUPPORTED_ACTIVATIONS = EXPERT_BLOCK_KINDS  # read from the activation table
@@ -176,15 +177,18 @@ class GroupedMLP(FusedOperation):
         out_shape = (*input_.shape[:-1], fc2.out_features)
         # buffers were checked in preflight: only the first rows are taken here
         out2d = buffer_rows(basic_op_kwargs[2].get(OUTPUT_BUFFER_KEY), x.shape[0], fc2.out_features)
+        x_q = basic_op_kwargs[0].get(QUANTIZED_INPUT_KEY)
         if self.quantized is not None:
             save = any([c.requires_grad for c in basic_op_ctxs])
             weights = (p1["weight"], w1, p2["weight"], w2)
             y = grouped_mlp_quantized.mlp_forward(
-                self, ctx1, self.quantized, x, weights, b1, b2, scales, splits, out2d, save
+                self, ctx1, self.quantized, x, weights, b1, b2, scales, splits, out2d, save, x_q
             )
             if save:
                 self._keep_call_facts(ctx1, splits, input_, dtype, scales_in)
             return FusedForward(y if y.shape == out_shape else y.view(out_shape), [()] * len(basic_op_ctxs))
+        if x_q is not None:
+            check_quantized_input(fc1.op_name(), x_q, None, x, splits.offsets)
         pre, y = kernel_ops.mlp_forward(
             self.choice.backend, x, w1, b1, w2, b2, scales, splits, self.spec,
             scale_after_fc2=self.scale_after_fc2, out=out2d,

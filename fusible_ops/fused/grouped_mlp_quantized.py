@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..basic.quantized_linear import grouped_wgrad, save_wgrad_input, saved_wgrad_input
+from ..basic.quantized_linear import fc_input, grouped_wgrad, save_wgrad_input, saved_wgrad_input
 from ..core.splits import SplitInfo
 from ..kernels import library as kernel_ops
 from ..kernels import quantized as qkernels
@@ -39,12 +39,14 @@ def mlp_forward(
     splits: SplitInfo,
     out: Tensor | None,
     save: bool,
+    x_q=None,
 ) -> Tensor:
-    """``y`` ``[M, H]``; ``weights``: ``(w1 param, w1 [G, N1, K], w2 param, w2 [G, H, F])``."""
+    """``y`` ``[M, H]``; ``weights``: ``(w1 param, w1 [G, N1, K], w2 param, w2 [G, H, F])``;
+    ``x_q``: fc1's input already quantized by the caller (checked before any write)."""
     recipe, dtype, ends = choice.recipe, x.dtype, splits.offsets
     check_quantizable(mlp.fc1.op_name(), dtype, recipe)
     w1_param, w1, w2_param, w2 = weights
-    x_q = quantize_rows(x, recipe, "input", ALONG_COLUMNS, ends)
+    x_q = fc_input(mlp.fc1.op_name(), x, recipe, splits, x_q)
     pre = qkernels.fprop(
         choice, x_q, quantized_weight(w1_param, w1, recipe, ALONG_COLUMNS), splits, b1, None, dtype
     )
@@ -113,4 +115,3 @@ def mlp_backward(mlp, ctx1, choice: QuantizedChoice, dy: Tensor, weights, needs,
         grad_w1 = grouped_wgrad(choice, quantized_wgrad, grad_pre, x, splits)
     grad_b1 = kernel_ops.bias_grad(choice.backend, grad_pre, splits, groups) if need_b1 else None
     return grad_input, grad_w1, grad_b1, grad_w2, grad_b2, grad_scales
-

@@ -11,7 +11,7 @@ makes; ops ask it for quantized operands.
 from ..core.settings import set_recipe_types
 from .context import current_recipe, quantized
 from .formats import E4M3, E5M2, Fp8Format
-from .quantize import QuantizedOperand, quantize_rows, quantize_weight
+from .quantize import QUANTIZED_INPUT_KEY, QuantizedOperand, quantize_input, quantize_rows, quantize_weight
 from .recipes import (
     ALONG_COLUMNS,
     ALONG_ROWS,
@@ -33,6 +33,7 @@ __all__ = [
     "E4M3",
     "E5M2",
     "MXFP8",
+    "QUANTIZED_INPUT_KEY",
     "RECIPES_BY_NAME",
     "Float8Blockwise",
     "Float8Rowwise",
@@ -42,6 +43,7 @@ __all__ = [
     "Recipe",
     "clear_weight_cache",
     "current_recipe",
+    "quantize_input",
     "quantize_rows",
     "quantize_weight",
     "quantized",

@@ -205,3 +205,65 @@ def check_quantizable(op_name: str, dtype: torch.dtype, recipe: Recipe) -> None:
         raise ValueError(
             f"{op_name}: recipe {recipe!r} quantizes bfloat16, float16 or float32 operands, not {dtype}"
         )
+
+
+#: ``op_kwargs`` key of a GroupedLinear (fc1 of the expert block): its input already
+#: quantized, as an expert-parallel dispatch that sent FP8 rows and their scales has it
+QUANTIZED_INPUT_KEY = "quantized_input"
+
+
+def quantize_input(x: Tensor, recipe: Recipe, split_sizes) -> QuantizedOperand:
+    """Token rows ``x`` ``[M, K]`` quantized as a GroupedLinear's forward quantizes its
+    input under ``recipe`` (along in-features, row tiles restarting at each group):
+    what ``op_kwargs={i: {QUANTIZED_INPUT_KEY: ...}}`` takes.
+
+    Args:
+        x: ``[M, K]`` token rows sorted by group, bfloat16, float16 or float32.
+        recipe: the recipe the GroupedLinear will run under.
+        split_sizes: rows per group, a list of ints or an int tensor ``[G]``.
+    """
+    sizes = torch.as_tensor(split_sizes, dtype=torch.int64, device=x.device)
+    return quantize_rows(x, recipe, "input", "columns", torch.cumsum(sizes, 0))
+
+
+def check_quantized_input(
+    op_name: str, operand: object, recipe: Recipe | None, x: Tensor, group_ends
+) -> None:
+    """Raise ``ValueError`` / ``TypeError`` naming ``op_name`` unless ``operand`` is what
+    :func:`quantize_input` makes of rows shaped like ``x`` ``[M, K]`` under ``recipe``
+    (its values are the caller's: they are not compared with ``x``'s)."""
+    where = f"{op_name}: op_kwargs[{QUANTIZED_INPUT_KEY!r}]"
+    if recipe is None:
+        raise ValueError(f"{where} is given but no low-precision recipe is in force")
+    if not isinstance(operand, QuantizedOperand):
+        raise TypeError(
+            f"{where} must be a fusible_ops.recipes.QuantizedOperand, got {type(operand).__name__}"
+        )
+    fmt = recipe.format_for("input")
+    tile_rows, col_block = recipe.tile_for("input", "columns")
+    rows, cols = x.shape
+    expected_tiles = group_row_tiles(rows, tile_rows, group_ends, x.device)
+    col_tiles = 1 if col_block is None else -(-cols // col_block)
+    problems = []
+    if tuple(operand.shape) != (rows, cols) or tuple(operand.data.shape) != (rows, cols):
+        problems.append(f"shape {tuple(operand.data.shape)}, the input's is {(rows, cols)}")
+    if operand.fmt != fmt or operand.data.dtype != fmt.dtype:
+        problems.append(f"format {operand.data.dtype}, recipe {recipe!r} quantizes inputs to {fmt.dtype}")
+    if operand.col_block != col_block:
+        problems.append(f"column tiles of {operand.col_block}, recipe {recipe!r} uses {col_block}")
+    if operand.data.device != x.device or operand.scale_inv.device != x.device:
+        problems.append(f"on {operand.data.device}, the input is on {x.device}")
+    if operand.scale_inv.dtype != torch.float32 or tuple(operand.scale_inv.shape) != (
+        expected_tiles[1],
+        col_tiles,
+    ):
+        problems.append(
+            f"scales {operand.scale_inv.dtype} {tuple(operand.scale_inv.shape)}, expected float32 "
+            f"{(expected_tiles[1], col_tiles)}"
+        )
+    elif (operand.row_tiles is None) != (expected_tiles[0] is None) or (
+        operand.row_tiles is not None and not torch.equal(operand.row_tiles, expected_tiles[0])
+    ):
+        problems.append("row tiles that do not follow this call's split sizes")
+    if problems:
+        raise ValueError(f"{where} does not match this call: {'; '.join(problems)}")
