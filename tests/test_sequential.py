@@ -120,7 +120,7 @@ OP_KWARGS_ERRORS = [
         "misspelled kwarg",
         lambda s: {2: {"outptu": torch.empty(ROWS, HIDDEN)}},
         TypeError,
-        r"GroupedLinear got unexpected kwarg\(s\) \['outptu'\]; it accepts \['grad_input', 'output'\]",
+        r"GroupedLinear got unexpected kwarg\(s\) \['outptu'\]; it accepts \['grad_input', 'output', 'quantized_input'\]",
     ),
     (
         "kwarg on an op without kwargs",

@@ -37,7 +37,7 @@ class GroupedGateUpLinear(GroupedLinear):
 
     ``op_kwargs``: ``output`` (``[>= rows, 2 * F]``) and ``grad_input`` (``[>= rows, K]``).
     Under a low-precision recipe the gate and up GEMMs are quantized as two GroupedLinear
-    GEMMs sharing one quantized input (see :mod:`fusible_ops.basic.gate_up_gemms`).
+    GEMMs sharing one quantized input (see ``fusible_ops.basic.gate_up_gemms``).
     """
 
     param_names = ("gate_weight", "up_weight")

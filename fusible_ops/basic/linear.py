@@ -61,7 +61,7 @@ class BasicLinear(BasicOperation):
 
     def plan_quantized(self, device: torch.device, dtype: torch.dtype, settings) -> QuantizedChoice:
         """How this op's GEMMs run under ``settings.recipe`` (see ``fusible_ops.recipes``;
-        a DTensor weight: :mod:`fusible_ops.basic.quantized_tp_linear`)."""
+        a DTensor weight: ``fusible_ops.basic.quantized_tp_linear``)."""
         return select_quantized(settings.recipe, device, dtype, grouped=False, engine=settings.recipe_backend)
 
     static_preflight = True  # value checks, if any, are in check_values

@@ -17,7 +17,7 @@ Parameters, their names, initialisation and sharding rules are torchtitan's (the
 a subclass of ``GroupedExperts``); state dicts load either way. torchtitan's own experts
 cast to bf16 for every GEMM; these compute in the dtype of the tokens they receive, or in
 ``compute_dtype`` when given (``torch.bfloat16`` reproduces torchtitan's own rounding).
-Low precision: ``recipe=`` (a :mod:`fusible_ops.recipes` recipe, or a torchtitan / torchao
+Low precision: ``recipe=`` (a ``fusible_ops.recipes`` recipe, or a torchtitan / torchao
 recipe name such as ``"rowwise"``, ``"rowwise_with_gw_hp"`` or ``"mxfp8_rceil"``) runs the
 experts' GEMMs quantized by fusible-ops; with None they follow ``fo.quantized``. A model
 config that torchtitan's float8 or MXFP8 experts converter already converted keeps that
