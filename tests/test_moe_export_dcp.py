@@ -82,8 +82,21 @@ def _dcp_worker(rank: int, world: int, port: int, counts: list[int]) -> None:
                 dcp.save(state, checkpoint_id=path)
             _assert_names_ep_mesh(info.value)
         dcp.save(MoE(8, 6, 4, 2, ep_mesh=mesh).state_dict(), checkpoint_id=path)  # the same keys
-        with pytest.raises(dcp.api.CheckpointException, match="ranks"):  # local [2, ...] vs global [4, ...]
+        with pytest.raises(dcp.api.CheckpointException, match="Size mismatch"):  # local [2, ...] vs global [4, ...]
             dcp.load(moe.state_dict(), checkpoint_id=path)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path)
+        # a checkpoint of the same local shapes (unmarked copies, which DCP takes for
+        # replicated tensors): loading it into the layer is refused, the layer untouched
+        dcp.save({k: v.detach().clone() for k, v in moe.state_dict().items()}, checkpoint_id=path)
+        state = moe.state_dict()
+        before = {k: v.clone() for k, v in state.items()}
+        with pytest.raises(dcp.api.CheckpointException) as info:
+            dcp.load(state, checkpoint_id=path)
+        _assert_names_ep_mesh(info.value)
+        for name, value in state.items():
+            assert torch.equal(value, before[name]), name
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path)

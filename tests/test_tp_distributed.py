@@ -59,7 +59,12 @@ MODULE_CASES = [
     for mode in ("eager", "compiled")
 ]
 LINEAR_CASES = _linear_cases()
-SEQUENTIAL_CASES = [f"sequential-{style}-{mode}" for style in WEIGHT_STYLES for mode in ("eager", "compiled")]
+SEQUENTIAL_CASES = [
+    f"sequential-{style}-{mode}-{bias}"
+    for style in WEIGHT_STYLES
+    for mode in ("eager", "compiled")
+    for bias in ("bias", "nobias")
+]
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -266,26 +271,32 @@ def _run_module_case(case: str, mesh) -> dict:
 
 
 def _run_sequential_case(case: str, mesh) -> dict:
-    """``fusible_ops.Sequential(BasicLinear, Bias)`` with DTensor parameters."""
+    """``fusible_ops.Sequential(BasicLinear[, Bias])`` with DTensor parameters; compiled,
+    side by side with ``nn.Linear`` under ``parallelize_module`` on the same weights."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import fusible_ops as fo
 
-    _, style, mode = case.split("-")
+    _, style, mode, bias = case.split("-")
+    with_bias = bias == "bias"
     torch.manual_seed(0)
-    seq = fo.Sequential(
-        fo.BasicLinear(IN_FEATURES, OUT_FEATURES, dtype=torch.float64),
-        fo.Bias(OUT_FEATURES, dtype=torch.float64),
+    ops = [fo.BasicLinear(IN_FEATURES, OUT_FEATURES, dtype=torch.float64)]
+    if with_bias:
+        ops.append(fo.Bias(OUT_FEATURES, dtype=torch.float64))
+    seq = fo.Sequential(*ops)
+    b_full = (
+        torch.randn(OUT_FEATURES, dtype=torch.float64)
+        if with_bias
+        else torch.zeros(OUT_FEATURES, dtype=torch.float64)
     )
-    with torch.no_grad():
-        seq[1].bias.normal_()
-    w_full, b_full = seq[0].weight.detach().clone(), seq[1].bias.detach().clone()
+    w_full = seq[0].weight.detach().clone()
     # colwise: a sequence-sharded input (the DTensor-safe bmm path); rowwise: feature-sharded
     w_place, b_place, x_place = (
         (Shard(0), Shard(0), Shard(1)) if style == "colwise" else (Shard(1), Replicate(), Shard(-1))
     )
     seq[0].weight = torch.nn.Parameter(distribute_tensor(w_full, mesh, [w_place]))
-    seq[1].bias = torch.nn.Parameter(distribute_tensor(b_full, mesh, [b_place]))
+    if with_bias:
+        seq[1].bias = torch.nn.Parameter(distribute_tensor(b_full, mesh, [b_place]))
     x_full = torch.randn(4, 6, IN_FEATURES, dtype=torch.float64)
     g_full = torch.randn(4, 6, OUT_FEATURES, dtype=torch.float64)
     x = distribute_tensor(x_full, mesh, [x_place]).requires_grad_()
@@ -299,9 +310,47 @@ def _run_sequential_case(case: str, mesh) -> dict:
         "out": (out.full_tensor() - ref_out).abs().max().item(),
         "grad_x": (x.grad.full_tensor() - ref_gx).abs().max().item(),
         "grad_w": (seq[0].weight.grad.full_tensor() - ref_gw).abs().max().item(),
-        "grad_b": (seq[1].bias.grad.full_tensor() - ref_gb).abs().max().item(),
     }
+    if with_bias:
+        errors["grad_b"] = (seq[1].bias.grad.full_tensor() - ref_gb).abs().max().item()
+    if mode == "compiled":
+        errors.update(
+            _plain_parallel_linear(style, with_bias, w_full, b_full, x_full, g_full, x_place, mesh, out)
+        )
     return {"errors": errors}
+
+
+def _plain_parallel_linear(
+    style, with_bias, w_full, b_full, x_full, g_full, x_place, mesh, fused_out
+) -> dict:
+    """The same layer as a plain ``nn.Linear`` under ``parallelize_module``, compiled fullgraph."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    linear = torch.nn.Linear(IN_FEATURES, OUT_FEATURES, bias=with_bias, dtype=torch.float64)
+    with torch.no_grad():
+        linear.weight.copy_(w_full)
+        if with_bias:
+            linear.bias.copy_(b_full)
+    plan = (ColwiseParallel if style == "colwise" else RowwiseParallel)(
+        input_layouts=x_place, output_layouts=Replicate(), use_local_output=False
+    )
+    parallelize_module(linear, mesh, plan)
+    x_local = distribute_tensor(x_full, mesh, [x_place]).to_local().detach().requires_grad_()
+    torch._dynamo.reset()
+    out = torch.compile(linear, backend="aot_eager", fullgraph=True)(x_local)
+    (out.full_tensor() * g_full).sum().backward()
+    result = {
+        "plain_out_vs_fused": (out.full_tensor() - fused_out.full_tensor()).abs().max().item(),
+        "plain_grad_w_vs_ref": (
+            linear.weight.grad.full_tensor()
+            - g_full.reshape(-1, OUT_FEATURES).t() @ x_full.reshape(-1, IN_FEATURES)
+        )
+        .abs()
+        .max()
+        .item(),
+    }
+    return result
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
