@@ -12,11 +12,14 @@
 #   info.log                  python -m fusible_ops info
 #   bench_default.log/.json   bench at the default shape, fused path forced to backend "triton"
 #   bench_large.log/.json     bench at 8 experts, hidden 4096, ffn 14336, 32768 rows
+#   recipes_cuda.log          tests/test_recipes_cuda.py (the scaled_grouped_mm engine against
+#                             the emulation), then bench --recipe rowwise and mxfp8 on the GPU
+#                             (time and saved bytes against bf16)
 #   cuda_suite.log            the whole test suite (only with GPU_CHECK_SUITE=1)
 #   summary.txt               one line per step with its exit status
 # Exit status: 0 when every step passed.
 #
-# Sized for one 10-minute device command: the default steps' limits add up to 540 s and
+# Sized for one 10-minute device command: the default steps' limits add up to 560 s and
 # write 8 files (the most a device run hands back). Environment knobs:
 # GPU_CHECK_REPEATS (bench rounds, default 10), GPU_CHECK_SUITE=1 (also run the whole
 # suite, GPU_CHECK_SUITE_TIMEOUT seconds, default 300).
@@ -66,9 +69,9 @@ EOF
 } > "$OUT_DIR/env.txt" 2>&1
 cat "$OUT_DIR/env.txt"
 
-step triton_tests 240 python -m pytest -q -p no:cacheprovider -rs tests/test_triton_backend.py \
+step triton_tests 180 python -m pytest -q -p no:cacheprovider -rs tests/test_triton_backend.py \
     tests/test_compile_cuda.py tests/test_weight_layout_cuda.py
-step info 60 python -m fusible_ops info
+step info 30 python -m fusible_ops info
 
 # The bench's fused and unfused variants run with the backend forced to "triton"
 # (grouped_mm and dense are independent of the backend setting).
@@ -78,11 +81,22 @@ bench() {  # bench NAME LIMIT_S [shape flags...]
     step "$name" "$limit" python -m fusible_ops bench --device cuda --backend triton --repeats "$REPEATS" \
         --json "$OUT_DIR/$name.json" "$@"
 }
-bench bench_default 90
-bench bench_large 150 --experts 8 --hidden 4096 --ffn 14336 --rows 32768
+bench bench_default 80
+bench bench_large 120 --experts 8 --hidden 4096 --ffn 14336 --rows 32768
 
-# low-precision recipes: the scaled_grouped_mm engine against the emulation (not yet run on a GPU)
-step recipes_cuda 120 python -m pytest -q -p no:cacheprovider -rs tests/test_recipes_cuda.py
+# low-precision recipes: the scaled_grouped_mm engine against the emulation (not yet run on a
+# GPU), then each recipe's time and saved bytes against bf16 at the default shape
+recipes_cuda() {
+    python -m pytest -q -p no:cacheprovider -rs tests/test_recipes_cuda.py
+    local rc=$?
+    for recipe in rowwise mxfp8; do
+        python -m fusible_ops bench --device cuda --recipe "$recipe" --repeats "$REPEATS" || rc=1
+    done
+    return "$rc"
+}
+export -f recipes_cuda
+export REPEATS
+step recipes_cuda 150 bash -c recipes_cuda
 
 if [ "${GPU_CHECK_SUITE:-0}" = "1" ]; then
     step cuda_suite "$SUITE_TIMEOUT" python -m pytest -q -p no:cacheprovider -rs tests
