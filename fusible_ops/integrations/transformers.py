@@ -104,7 +104,8 @@ def _key(module: nn.Module, tensors: tuple) -> tuple:
         state.get("has_bias"),
         state.get("is_transposed"),
         state.get("has_post_expert_norm"),
-        *[None if t is None else (t.dtype, t.device, t.shape) for t in tensors],
+        # a CPU tensor's device as "cpu": t.device builds a device object on every call
+        *[None if t is None else (t.dtype, "cpu" if t.is_cpu else t.device, t.shape) for t in tensors],
     )
 
 

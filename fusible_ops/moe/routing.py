@@ -126,7 +126,7 @@ def permute(
         )
     if not _is_integer_dtype(expert_ids.dtype):
         raise ValueError(f"permute: expert_ids must be an integer tensor, got {expert_ids.dtype}")
-    if expert_ids.device != tokens.device:
+    if _on_different_devices(expert_ids, tokens):
         raise ValueError(f"permute: expert_ids is on {expert_ids.device} but tokens on {tokens.device}")
     if probs is not None and (not isinstance(probs, torch.Tensor) or probs.shape != expert_ids.shape):
         raise ValueError(
@@ -145,7 +145,6 @@ def permute(
         )
     _check_expert_range(expert_ids, num_experts)
 
-    device = tokens.device
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1).long()
     is_sentinel = flat_ids >= num_experts
@@ -153,13 +152,13 @@ def permute(
     if expert_order is None:
         sort_key = flat_ids
     else:
-        expert_order = _checked_expert_order(expert_order, num_experts).to(device=device)
+        expert_order = _checked_expert_order(expert_order, num_experts).to(device=tokens.device)
         # argsort inverts a permutation and, unlike a scatter, never leaves a slot unset.
         position_of_expert = torch.argsort(expert_order)
         sort_key = position_of_expert[flat_ids]
     # sentinel rows go to the last group, whatever the order
     sort_key = torch.where(is_sentinel, num_experts - 1, sort_key)
-    is_dropped = is_sentinel if dropped is None else is_sentinel | dropped.reshape(-1).to(device)
+    is_dropped = is_sentinel if dropped is None else is_sentinel | dropped.reshape(-1).to(tokens.device)
 
     order = torch.argsort(sort_key, stable=True)
     source_token = torch.div(order, top_k, rounding_mode="floor")
@@ -167,7 +166,7 @@ def permute(
     token_index = torch.where(is_dropped.index_select(0, order), -1, source_token)
     sorted_probs = None if probs is None else probs.reshape(-1).index_select(0, order)
     # scatter_add instead of bincount: bincount reads max() on the host.
-    split_sizes = torch.zeros(num_experts, dtype=torch.long, device=device)
+    split_sizes = flat_ids.new_zeros(num_experts)  # long, on the tokens' device
     split_sizes.scatter_add_(0, sort_key, torch.ones_like(sort_key))
     return Permutation(rows, sorted_probs, split_sizes, token_index)
 
@@ -205,10 +204,16 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def _on_different_devices(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a.device != b.device``, without building device objects when both are on the CPU
+    (this runs on every call)."""
+    return not (a.is_cpu and b.is_cpu) and a.device != b.device
+
+
 def _check_expert_range(expert_ids: torch.Tensor, num_experts: int) -> None:
     """``ValueError`` for negative ids (ids ``>= num_experts`` are dropped rows); a device-side
     assert while tracing or off the CPU."""
-    if torch.compiler.is_compiling() or expert_ids.device.type != "cpu":
+    if torch.compiler.is_compiling() or not expert_ids.is_cpu:
         # No host read enters the graph: the check runs on device (asynchronously on GPUs).
         torch._assert_async((expert_ids >= 0).all(), "permute: expert_ids must be >= 0")
     elif expert_ids.numel() > 0:
@@ -223,6 +228,25 @@ def _check_expert_range(expert_ids: torch.Tensor, num_experts: int) -> None:
 # ---------------------------------------------------------------- unpermute / combine
 
 
+def _combine(rows, probs, token_index, num_tokens, out_holder, may_drop):  # noqa: ANN001, ANN202
+    """``_Combine``'s forward math: ``(out, the row index it used)``."""
+    target, owned = out_holder
+    # our own allocation is returned whole (not a view: the caller may modify it in place)
+    out = target if owned else target[:num_tokens]
+    src = rows if probs is None else rows * probs.to(rows.dtype).unsqueeze(-1)
+    index = torch.where(token_index < 0, num_tokens, token_index) if may_drop else token_index
+    low_precision = rows.dtype in (torch.float16, torch.bfloat16)
+    if low_precision or may_drop:
+        acc_dtype = torch.float32 if low_precision else rows.dtype
+        acc = torch.zeros(num_tokens + int(may_drop), rows.shape[1], dtype=acc_dtype, device=rows.device)
+        acc.index_add_(0, index, src.to(acc_dtype))
+        out.copy_(acc[:num_tokens])
+    else:
+        out.zero_()
+        out.index_add_(0, index, src)
+    return out, index
+
+
 class _Combine(torch.autograd.Function):
     """``out[token_index[i]] += rows[i] * probs[i]``, written into a caller buffer if given.
 
@@ -235,20 +259,7 @@ class _Combine(torch.autograd.Function):
         # The target travels in a list so autograd does not treat it as an input: the
         # caller's buffer must stay a plain tensor (no grad_fn), only the view we return
         # joins the graph.
-        target, owned = out_holder
-        # our own allocation is returned whole (not a view: the caller may modify it in place)
-        out = target if owned else target[:num_tokens]
-        src = rows if probs is None else rows * probs.to(rows.dtype).unsqueeze(-1)
-        index = torch.where(token_index < 0, num_tokens, token_index) if may_drop else token_index
-        low_precision = rows.dtype in (torch.float16, torch.bfloat16)
-        if low_precision or may_drop:
-            acc_dtype = torch.float32 if low_precision else rows.dtype
-            acc = torch.zeros(num_tokens + int(may_drop), rows.shape[1], dtype=acc_dtype, device=rows.device)
-            acc.index_add_(0, index, src.to(acc_dtype))
-            out.copy_(acc[:num_tokens])
-        else:
-            out.zero_()
-            out.index_add_(0, index, src)
+        out, index = _combine(rows, probs, token_index, num_tokens, out_holder, may_drop)
         ctx.may_drop = may_drop
         ctx.save_for_backward(rows if probs is not None else None, probs, index)
         return out
@@ -299,7 +310,7 @@ def unpermute(
         raise ValueError(f"unpermute: probs must have shape ({rows.shape[0]},), got {_shape(probs)}")
     if not _is_integer_dtype(token_index.dtype):
         raise ValueError(f"unpermute: token_index must be an integer tensor, got {token_index.dtype}")
-    if token_index.device != rows.device:
+    if _on_different_devices(token_index, rows):
         raise ValueError(f"unpermute: token_index is on {token_index.device} but rows on {rows.device}")
     may_drop = _check_token_range(token_index, num_tokens)
     if out is None:
@@ -315,7 +326,14 @@ def unpermute(
             op_name="unpermute",
             no_overlap=[t for t in (rows, probs) if t is not None],
         )
-    return _Combine.apply(rows, probs, token_index.long(), num_tokens, [target, out is None], may_drop)
+    holder = [target, out is None]
+    needs_grad = torch.is_grad_enabled() and (
+        rows.requires_grad or (probs is not None and probs.requires_grad)
+    )
+    if not needs_grad and not torch.compiler.is_compiling():
+        # nothing to differentiate: the math alone, without an autograd Function's call
+        return _combine(rows, probs, token_index.long(), num_tokens, holder, may_drop)[0]
+    return _Combine.apply(rows, probs, token_index.long(), num_tokens, holder, may_drop)
 
 
 def _check_token_range(token_index: torch.Tensor, num_tokens: int) -> bool:
@@ -324,7 +342,7 @@ def _check_token_range(token_index: torch.Tensor, num_tokens: int) -> bool:
     Returns whether dropped rows (-1) may be present: known on an eager CPU tensor,
     assumed while tracing or on other devices (no host read).
     """
-    if torch.compiler.is_compiling() or token_index.device.type != "cpu":
+    if torch.compiler.is_compiling() or not token_index.is_cpu:
         # No host read, and no formatting of a possibly symbolic num_tokens.
         index = token_index.long()
         in_range = ((index >= -1) & (index < num_tokens)).all()
