@@ -141,7 +141,7 @@ def small_problem(rounds: int) -> None:
         scales = torch.rand(rows)
         step = fused_step(seq, "fine", x, splits, scales)
 
-        def with_limit(limit: int):
+        def with_limit(limit: int, step=step):  # noqa: ANN001 (binds this iteration's step)
             def run() -> None:
                 backend.small_problem_macs = limit
                 try:

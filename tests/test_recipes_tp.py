@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_moe_ep import _spawn
 
 import fusible_ops as fo
-from test_moe_ep import _spawn
 
 IN, OUT = 128, 64
 R = fo.recipes
