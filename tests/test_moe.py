@@ -188,6 +188,32 @@ def test_unpermute_writes_into_caller_buffer():
     assert torch.equal(unpermute(rows, token_index, 3), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("with_buffer", [False, True])
+def test_unpermute_without_grad_equals_the_autograd_path(dtype, with_buffer):
+    """With nothing to differentiate, unpermute skips its autograd Function: the result is
+    bit-identical to the differentiable call's (dropped rows, a caller buffer's tail kept)."""
+    torch.manual_seed(3)
+    rows = torch.randn(8, 4, dtype=dtype)
+    probs = torch.rand(8, dtype=dtype)
+    token_index = torch.tensor([0, -1, 2, 0, 1, -1, 2, 4])  # -1: dropped rows; token 3 gets none
+
+    def call(rows: torch.Tensor) -> torch.Tensor:
+        buf = torch.full((7, 4), 7.0, dtype=dtype) if with_buffer else None
+        out = unpermute(rows, token_index, 5, probs=probs, out=buf)
+        if buf is not None:
+            assert out.data_ptr() == buf.data_ptr() and (buf[5:] == 7.0).all()
+        return out
+
+    differentiable = call(rows.clone().requires_grad_())
+    assert differentiable.grad_fn is not None
+    with torch.no_grad():
+        plain = call(rows)
+    assert plain.grad_fn is None
+    assert torch.equal(plain, differentiable.detach())
+    assert torch.equal(call(rows), plain)  # grad enabled, but no input needs a gradient
+
+
 def test_unpermute_bfloat16_accumulates_in_float32():
     rows = torch.full((8, 2), 1.0 / 3.0, dtype=torch.bfloat16)
     out = unpermute(rows, torch.zeros(8, dtype=torch.long), 1)
