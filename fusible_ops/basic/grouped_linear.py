@@ -19,7 +19,13 @@ from ..core.op import (
 )
 from ..core.settings import current_settings
 from ..core.shapes import as_rows
-from ..core.splits import SplitInfo, check_split_sizes, to_split_info
+from ..core.splits import (
+    SplitInfo,
+    check_split_sizes,
+    check_split_values,
+    read_host_splits,
+    to_split_info,
+)
 from ..kernels import BackendChoice, GroupedGemmBackend, select_backend
 from ..kernels import library as kernel_ops
 from ..kernels.quantized import QuantizedChoice, select_quantized
@@ -298,6 +304,23 @@ class GroupedLinear(BasicOperation):
     def check_values(self, input_meta: TensorMeta, extra_inputs) -> None:
         rows = math.prod(input_meta.shape[:-1])
         check_split_sizes(self.op_name(), extra_inputs[0], self.num_groups, rows)
+
+    def bind_value_check(self, input_meta: TensorMeta):
+        rows, name, groups = math.prod(input_meta.shape[:-1]), self.op_name(), self.num_groups
+
+        def check(extra_inputs: tuple) -> None:
+            split_sizes = extra_inputs[0]
+            if type(split_sizes) is torch.Tensor and split_sizes.is_cpu:
+                # dtype and shape are the signature's (checked by preflight): only the values
+                check_split_values(name, read_host_splits(split_sizes), rows)
+            else:
+                check_split_sizes(name, split_sizes, groups, rows)
+
+        return check
+
+    def value_check_key(self, input_meta: TensorMeta) -> tuple:
+        # the checks read only the group count and the rows (the op's name is in the message)
+        return ("split_sizes", self.num_groups, math.prod(input_meta.shape[:-1]))
 
     # ------------------------------------------------------------ math
     def op_forward(

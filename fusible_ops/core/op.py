@@ -317,6 +317,18 @@ class BasicOperation(FusibleOperation, CheckedLoadStateDict, torch.nn.Module):
         ``ValueError`` naming the op. Ops with a static preflight call it from it.
         """
 
+    def bind_value_check(self, input_meta: TensorMeta) -> Callable[[tuple[Any, ...]], None] | None:
+        """:meth:`check_values` for calls of one signature (every extra input's metadata as
+        when the signature's preflight passed), as ``check(extra_inputs)``; None (the
+        default): the fast path calls :meth:`check_values`."""
+        return None
+
+    def value_check_key(self, input_meta: TensorMeta) -> Any:
+        """A key for :meth:`check_values` with this input meta: two ops whose keys are equal
+        (not None) run the same checks on the same extra inputs, so a call runs one of them
+        (the fast path, see ``fusible_ops.fuser.fast_path``). None (the default): always run."""
+        return None
+
     def op_name(self) -> str:
         """The name error messages and plans use for this op (its class name)."""
         return type(self).__name__

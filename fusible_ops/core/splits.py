@@ -62,14 +62,16 @@ class _LastSplits:
         return self.values
 
 
-_last = threading.local()
+class _ThreadSplits(threading.local):
+    def __init__(self) -> None:
+        self.value = _LastSplits()
+
+
+_last = _ThreadSplits()
 
 
 def _last_splits() -> _LastSplits:
-    last = getattr(_last, "value", None)
-    if last is None:
-        last = _last.value = _LastSplits()
-    return last
+    return _last.value
 
 
 def start_call() -> None:
@@ -83,9 +85,18 @@ def start_call() -> None:
 
 def forget_split_reads() -> None:
     """:func:`start_call` for a caller that knows it is not tracing."""
-    last = getattr(_last, "value", None)
-    if last is not None:
-        last.tensor = None
+    _last.value.tensor = None
+
+
+def read_host_splits(split_sizes: torch.Tensor) -> list[int]:
+    """The values of a CPU split-size tensor, read once per call (see :class:`_LastSplits`);
+    eager only."""
+    return _last.value.values_of(split_sizes)
+
+
+def check_split_values(op_name: str, values: list[int], num_rows: int) -> None:
+    """Raise ``ValueError`` unless host split sizes are non-negative and sum to ``num_rows``."""
+    _check_values(op_name, values, num_rows)
 
 
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:
@@ -162,23 +173,29 @@ def host_offsets(host: list[int]) -> torch.Tensor:
     return offsets
 
 
+def host_split_info(split_sizes: torch.Tensor, rows: torch.Tensor) -> SplitInfo:
+    """:func:`to_split_info` of a CPU split-size tensor in an eager call (not while tracing)."""
+    last = _last.value
+    host = last.values_of(split_sizes)
+    on_cpu = rows.is_cpu  # not rows.device: building a device object is a large part of a tiny call
+    device_key = "cpu" if on_cpu else rows.device
+    info = last.infos.get(device_key)
+    if info is None:
+        offsets = host_offsets(host)
+        if not on_cpu:
+            offsets = offsets.to(rows.device, non_blocking=True)
+        info = SplitInfo(host, offsets, None if on_cpu else split_sizes)
+        last.infos[device_key] = info
+    return info
+
+
 def to_split_info(split_sizes: Any, num_rows: int, rows: torch.Tensor) -> SplitInfo:
     """Host list (when free to get) and int32 offsets on ``rows``' device, without a host sync."""
     tracing = torch.compiler.is_compiling()
     on_cpu = rows.is_cpu  # not rows.device: building a device object is a large part of a tiny call
     if isinstance(split_sizes, torch.Tensor):
         if split_sizes.is_cpu and not tracing:
-            last = _last_splits()
-            host = last.values_of(split_sizes)
-            device_key = "cpu" if on_cpu else rows.device
-            info = last.infos.get(device_key)
-            if info is None:
-                offsets = host_offsets(host)
-                if not on_cpu:
-                    offsets = offsets.to(rows.device, non_blocking=True)
-                info = SplitInfo(host, offsets, None if on_cpu else split_sizes)
-                last.infos[device_key] = info
-            return info
+            return host_split_info(split_sizes, rows)
         ok = (split_sizes >= 0).all() & (split_sizes.sum() == num_rows)
         torch._assert_async(ok, "split_sizes must be non-negative and sum to the number of input rows")
         offsets = torch.cumsum(split_sizes, 0, dtype=torch.int32).to(rows.device)

@@ -37,6 +37,7 @@ from ..kernels.quantized import QuantizedChoice, select_quantized
 from ..kernels.signature_checks import signature_fixes_kernel_args
 from ..recipes.quantize import QUANTIZED_INPUT_KEY, check_quantized_input
 from . import grouped_mlp_gate_up, grouped_mlp_quantized
+from .grouped_mlp_bound import bind_grouped_mlp
 
 SUPPORTED_ACTIVATIONS = EXPERT_BLOCK_KINDS  # read from the activation table
 
@@ -159,6 +160,10 @@ class GroupedMLP(FusedOperation):
         elif self.scaled:
             grad_extra[1] = (grad_scales,)
         return FusedBackward(grad_input, grad_params, grad_extra)
+
+    def bind_call(self, input_, extra_inputs: tuple, param_dicts: list, grad_flags: list | None):
+        """This op bound to one call signature (see ``fusible_ops.fuser.fast_path``), or None."""
+        return bind_grouped_mlp(self, input_, extra_inputs, param_dicts, grad_flags)
 
     # ------------------------------------------------------------ forward
     def fuser_forward(self, basic_op_ctxs, input_, *, basic_op_extra_inputs, basic_op_kwargs) -> FusedForward:

@@ -23,6 +23,20 @@ def check_dense(op_name: str, what: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{op_name}: {what} is a meta tensor (shape only, no data); the op needs real data")
 
 
+def check_kernel_params(ops: Any, dicts: list[dict[str, torch.Tensor | None]]) -> None:
+    """Refuse a sharded DTensor parameter of an op whose kernels cannot take one."""
+    for op, params in zip(ops, dicts):
+        if op.accepts_dtensor:
+            continue
+        for name, tensor in params.items():
+            if is_dtensor(tensor):
+                raise ValueError(
+                    f"{op.op_name()}: parameter {name!r} is a DTensor (sharded, e.g. by fully_shard), "
+                    "which this op's kernels cannot take; apply fully_shard to the op itself (it then "
+                    "runs alone and FSDP unshards it for the call) or to the enclosing Sequential"
+                )
+
+
 def located_error(fuser: Any, error: Exception, index: int, meta: TensorMeta) -> Exception:
     """``error`` from ``ops[index]``'s checks, with where the op sits and, for a width
     mismatch after a gated activation, what the width should have been."""

@@ -16,11 +16,11 @@ from ..core.settings import RECIPE_CONTEXT_USED, current_settings
 from ..core.splits import forget_split_reads, start_call
 from ..kernels.signature_checks import SignatureChecks, plan_takes_part
 from .compiled import compiled_call, register_fuser
+from .fast_path import FastCall, fast_call_of
 from .function import CallState, FuserFunction, count_slices, dedupe_args, run_without_grad
 from .hooks import HookedSegments, decision_in_sequential
 from .op_errors import check_dense as _check_dense
-from .op_errors import is_dtensor as _is_dtensor
-from .op_errors import located_error
+from .op_errors import check_kernel_params, located_error
 from .plan import FusionPlan, PlanEntry
 from .recompute import call_tracking_recipe, inside_tracked_call
 from .rules import (
@@ -69,6 +69,10 @@ class OperationFuser(HookedSegments):
         self._segments: dict[tuple[bool, ...], list] = {}
         self._thread_plans: threading.local | None = None
         self._prepared = BoundedCache()
+        #: the fast call of the signature used last (see fast_path), or None; and per
+        #: prepared signature its FastCall, or a str saying why it has none
+        self._fast: FastCall | None = None
+        self._fast_calls = BoundedCache()
         self._extra_counts = [op.num_extra_inputs for op in self.ops]
         #: extra inputs a call takes, all ops together
         self.num_extra_inputs = sum(self._extra_counts)
@@ -82,6 +86,8 @@ class OperationFuser(HookedSegments):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_thread_plans"] = None
+        # fast calls hold this fuser's parameters and guards: a copy makes its own
+        state["_fast"], state["_fast_calls"] = None, BoundedCache()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -134,24 +140,12 @@ class OperationFuser(HookedSegments):
         return meta
 
     # ------------------------------------------------------------ planning
-    def _check_kernel_params(self, dicts: list[dict[str, torch.Tensor | None]]) -> None:
-        for op, params in zip(self.ops, dicts):
-            if op.accepts_dtensor:
-                continue
-            for name, tensor in params.items():
-                if _is_dtensor(tensor):
-                    raise ValueError(
-                        f"{op.op_name()}: parameter {name!r} is a DTensor (sharded, e.g. by fully_shard), "
-                        "which this op's kernels cannot take; apply fully_shard to the op itself (it then "
-                        "runs alone and FSDP unshards it for the call) or to the enclosing Sequential"
-                    )
-
     def _params(self, *, for_kernels: bool = True) -> list[list[torch.Tensor]]:
         """Each op's parameter tensors of this call (None dropped); ``for_kernels`` refuses
         sharded DTensors."""
         dicts = [op.param_tensors() for op in self.ops]
         if for_kernels:
-            self._check_kernel_params(dicts)
+            check_kernel_params(self.ops, dicts)
         return [[t for t in d.values() if t is not None] for d in dicts]
 
     def _grad_flags(
@@ -358,6 +352,11 @@ class OperationFuser(HookedSegments):
                 if result is not None:
                     return result
         else:
+            fast = self._fast
+            if fast is not None and basic_op_kwargs is None and param_dicts is None:
+                result = fast(input_, extra_inputs)
+                if result is not None:
+                    return result
             forget_split_reads()  # what start_call does in eager
             if RECIPE_CONTEXT_USED[0] and self.recipe is None and not inside_tracked_call():
                 return call_tracking_recipe(
@@ -375,7 +374,9 @@ class OperationFuser(HookedSegments):
             keyed = call_signature(self.ops, input_, extra_inputs, param_dicts)
             prepared = None if keyed is None else self._prepared.get(keyed[0])
             if prepared is not None:
-                return self._run_prepared(prepared, input_, extra_inputs, keyed[1], param_dicts)
+                result = self._run_prepared(prepared, input_, extra_inputs, keyed[1], param_dicts)
+                self._fast = fast_call_of(self, keyed[0], prepared, input_, extra_inputs, param_dicts)
+                return result
         per_op_extra = self.split_extra_inputs(extra_inputs)
         if basic_op_kwargs is None:
             kwargs = [{} for _ in self.ops]
@@ -385,7 +386,7 @@ class OperationFuser(HookedSegments):
             return self._call_segmented(input_, per_op_extra, kwargs, [op.hook_reason() for op in self.ops])
         if param_dicts is None:
             param_dicts = [op.param_tensors() for op in self.ops]
-        self._check_kernel_params(param_dicts)
+        check_kernel_params(self.ops, param_dicts)
         if keyed is None:
             flat_extra = [t for op_extra in per_op_extra for t in op_extra]
             flat_params = [t for d in param_dicts for t in d.values() if t is not None]

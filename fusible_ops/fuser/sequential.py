@@ -172,7 +172,7 @@ class Sequential(CheckedLoadStateDict, torch.nn.Module):
         return index + n if index < 0 else index
 
     # ------------------------------------------------------------ groups
-    def _get_groups(self) -> list[tuple[list[int], OperationFuser | None]]:
+    def _get_groups(self, compiling: bool | None = None) -> list[tuple[list[int], OperationFuser | None]]:
         """``[(indices, fuser or None for a plain module)]`` for the current module list.
 
         Cached under the identity of every module, so any change to the list (``seq[i] =``,
@@ -181,9 +181,11 @@ class Sequential(CheckedLoadStateDict, torch.nn.Module):
         """
         modules = tuple(self._modules.values())
         cached = self.__dict__.get("_groups")
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
         if cached is not None:
             known, known_ids, groups = cached
-            if torch.compiler.is_compiling():
+            if compiling:
                 # ids (the cache keeps the modules alive): Dynamo then guards each module's
                 # id, instead of checking in Python that two paths reach the same object
                 if known_ids == tuple([id(module) for module in modules]):
@@ -202,7 +204,7 @@ class Sequential(CheckedLoadStateDict, torch.nn.Module):
             groups.append(([i], None))
         if run:
             groups.append((run, self._fuser([modules[j] for j in run], run[0])))
-        if not torch.compiler.is_compiling():
+        if not compiling:
             # traced: no side effect, which Dynamo would replay (a new fuser) on every call
             ids = tuple([id(module) for module in modules])
             self.__dict__["_groups"] = (modules, ids, groups)
@@ -343,7 +345,8 @@ class Sequential(CheckedLoadStateDict, torch.nn.Module):
                 kwarg that its op does not accept.
         """
         if op_kwargs is None:
-            if is_compiling():
+            compiling = is_compiling()
+            if compiling:
                 # one fuser group of the current modules (their ids, read once: one path
                 # to each op for Dynamo to guard): the in-graph call, if it applies
                 route = self.__dict__.get("_route")
@@ -353,9 +356,15 @@ class Sequential(CheckedLoadStateDict, torch.nn.Module):
                         result = compiled_call(route[1], ops, input, extra_inputs, None)
                         if result is not None:
                             return result
-            groups = self._get_groups()
+            groups = self._get_groups(compiling)
             fuser = groups[0][1] if len(groups) == 1 else None
             if fuser is not None and len(extra_inputs) == fuser.num_extra_inputs:
+                if not compiling:  # (a traced call never reads the fast call: no guard on it)
+                    fast = fuser._fast  # see fuser.fast_path: its guards hold, or it answers None
+                    if fast is not None:
+                        result = fast(input, extra_inputs)
+                        if result is not None:
+                            return result
                 return fuser(input, *extra_inputs)  # one fuser group, nothing to route
         kwargs_by_index = self._resolve_op_kwargs(op_kwargs)
         per_group_extra = self._split_extra_inputs(extra_inputs)

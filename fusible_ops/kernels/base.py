@@ -119,6 +119,15 @@ class GroupedGemmBackend:
         """Copies and composed steps this backend will perform, for the fusion plan."""
         return []
 
+    def bind_mlp(self, spec: ActivationSpec, scale_after_fc2: bool, operands: tuple):
+        """The fused grouped MLP bound to one call signature (a ``BoundMLP``; ``operands``:
+        the first call's ``(x, w1, b1, w2, b2)``): what a fuser's fast path runs once the
+        public methods' checks passed for it. A backend may return a subclass that makes
+        more of its per-call decisions once."""
+        from .bound_mlp import BoundMLP
+
+        return BoundMLP(self, spec, scale_after_fc2, operands)
+
     def _check_runnable(self, where: str, rows: Tensor) -> None:
         """Raise when the kernels cannot run on ``rows``' device and dtype (after the argument checks)."""
 

@@ -19,9 +19,17 @@ import torch
 LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss", "aux_free")
 
 
-def expert_load(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``[E]`` int64: how many (token, slot) pairs chose each expert; ids ``>= E`` are not counted."""
-    flat = expert_ids.reshape(-1).long()
+def expert_load(expert_ids: torch.Tensor, num_experts: int, *, in_range: bool = False) -> torch.Tensor:
+    """``[E]`` int64: how many (token, slot) pairs chose each expert; ids ``>= E`` are not counted.
+
+    ``in_range``: every id is known to lie in ``[0, E)`` (a router's own choice), so
+    none needs clamping."""
+    flat = expert_ids.reshape(-1)
+    if flat.dtype != torch.long:
+        flat = flat.long()
+    if in_range:
+        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+        return counts.scatter_add_(0, flat, torch.ones_like(flat))
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat.clamp(max=num_experts), torch.ones_like(flat))
     return counts[:num_experts]

@@ -18,7 +18,7 @@ from . import balance
 from . import options as opt
 from .attributes import MOE_ACTIVATIONS, MoEActivation, MoEAttributes  # noqa: F401 (public here)
 from .router import RoutingConfig, route
-from .routing import ExpertPlacement, permute, unpermute
+from .routing import ExpertPlacement, combine_sorted, permute, sort_by_expert, unpermute
 from .statistics import KEEP_DTYPE_BUFFERS, MoEStatistics
 
 
@@ -305,34 +305,37 @@ class MoE(MoEAttributes, MoEStatistics, CheckedLoadStateDict, nn.Module):
             ValueError: ``x`` is not a dense floating-point ``[..., hidden_size]`` tensor
                 of the parameters' dtype (any floating dtype under autocast).
         """
-        opt.check_input(x, self.hidden_size, self.router.weight)
-        tokens = x.reshape(-1, self.hidden_size)
+        # submodules and buffers read from their dicts once (this runs on every call)
+        router = self._modules["router"]
+        hidden_size, num_experts = self._hidden_size, self._num_experts
+        opt.check_input(x, hidden_size, router.weight)
+        tokens = x if x.dim() == 2 else x.reshape(-1, hidden_size)
         router_input = tokens
-        if self.training and self.router_jitter > 0:
+        training = self.training
+        if training and self._router_jitter > 0:  # the per-call options' checked values
             noise = torch.empty_like(tokens).uniform_(1.0 - self.router_jitter, 1.0 + self.router_jitter)
             router_input = tokens * noise
-        logits = self.router(router_input)
-        routing = route(logits, self.routing, self.score_correction_bias)
+        logits = router(router_input)
+        routing = route(logits, self._routing, self._buffers.get("score_correction_bias"))
         expert_ids = routing.expert_ids
-        load = balance.expert_load(expert_ids, self.num_experts)
+        # the router's ids lie in [0, E): the load is the rows per expert of the sorted rows
+        load = balance.expert_load(expert_ids, num_experts, in_range=True)
         dropped = dropped_load = None
-        if self.capacity_factor is not None:
-            dropped = balance.capacity_dropped(expert_ids, self.num_experts, self.capacity_factor)
-            dropped_load = balance.expert_load(
-                torch.where(dropped, expert_ids, self.num_experts), self.num_experts
-            )
+        if self._capacity_factor is not None:
+            dropped = balance.capacity_dropped(expert_ids, num_experts, self.capacity_factor)
+            dropped_load = balance.expert_load(torch.where(dropped, expert_ids, num_experts), num_experts)
         self._record_load(load, dropped_load)  # in place: traceable inside a checkpointed region
 
         weights = routing.weights
-        if self.training:
+        if training:
             weights = self._balance(weights, logits, routing, load, x.shape)
-        out = self._routed_experts(tokens, expert_ids, weights, dropped)
+        out = self._routed_experts(tokens, expert_ids, weights, dropped, load)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_expert_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
             out = out + shared
-        return out.reshape(x.shape)
+        return out if x.dim() == 2 else out.reshape(x.shape)
 
     def _routed_experts(
         self,
@@ -340,11 +343,18 @@ class MoE(MoEAttributes, MoEStatistics, CheckedLoadStateDict, nn.Module):
         expert_ids: torch.Tensor,
         weights: torch.Tensor,
         dropped: torch.Tensor | None,
+        load: torch.Tensor,
     ) -> torch.Tensor:
-        """``[T, H]``: the routed experts' outputs summed per token (dropped rows add nothing)."""
-        if self.expert_parallel is None:
+        """``[T, H]``: the routed experts' outputs summed per token (dropped rows add nothing).
+        ``load``: the rows routed to each expert (:func:`~fusible_ops.moe.balance.expert_load`)."""
+        if self._expert_parallel is None:
+            experts = self._modules["experts"]
+            if dropped is None:  # nothing to drop: the router's choice sorted as it is
+                perm = sort_by_expert(tokens, expert_ids, weights, load)
+                y = experts(*self._expert_args(perm.rows, perm.split_sizes, perm.probs))
+                return combine_sorted(y, perm.token_index, tokens.shape[0])
             perm = permute(tokens, expert_ids, self.num_experts, weights, dropped=dropped)
-            y = self.experts(*self._expert_args(perm.rows, perm.split_sizes, perm.probs))
+            y = experts(*self._expert_args(perm.rows, perm.split_sizes, perm.probs))
             return unpermute(y, perm.token_index, tokens.shape[0])
         from ..core.buffers import OUTPUT_BUFFER_KEY
 
@@ -376,6 +386,9 @@ class MoE(MoEAttributes, MoEStatistics, CheckedLoadStateDict, nn.Module):
         of the routing ``weights`` (Megatron's place: the layer's output stays an ordinary
         tensor that may be modified in place)."""
         group, mode = self.balance_group, self.load_balancing
+        if mode == "none" and not self._z_loss_coeff > 0:
+            self._record_losses({})
+            return weights
         losses, scaled = {}, []
         if mode == "aux_loss":
             losses["load_balancing"] = balance.aux_loss(routing.normalized_scores, load, self.top_k, group)

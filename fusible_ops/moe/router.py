@@ -73,22 +73,32 @@ def route(
     weights are the uncorrected scores of the chosen experts, renormalised to sum to 1
     when ``renormalize``, times ``routed_scaling_factor``.
     """
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if logits.dtype in (torch.float16, torch.bfloat16):  # at least float32 (no op when it is)
+        logits = logits.float()
     if config.score == "softmax":
         scores = torch.softmax(logits, dim=-1)
         normalized = scores
     else:
         scores = torch.sigmoid(logits)
         normalized = scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
-    selection = (
-        scores.detach() if correction_bias is None else scores.detach() + correction_bias.to(scores.dtype)
-    )
-    if config.expert_groups is not None:
-        selection = _mask_to_best_groups(selection, config.expert_groups, config.topk_groups)
-    expert_ids = torch.topk(selection, config.top_k, dim=-1).indices
-    weights = scores.gather(-1, expert_ids)
+    if correction_bias is None and config.expert_groups is None:
+        # selected by the scores themselves: topk's values are the weights (what gathering
+        # them would give, with the same gradient)
+        weights, expert_ids = torch.topk(scores, config.top_k, dim=-1)
+    else:
+        selection = (
+            scores.detach() if correction_bias is None else scores.detach() + correction_bias.to(scores.dtype)
+        )
+        if config.expert_groups is not None:
+            selection = _mask_to_best_groups(selection, config.expert_groups, config.topk_groups)
+        expert_ids = torch.topk(selection, config.top_k, dim=-1).indices
+        weights = scores.gather(-1, expert_ids)
     if config.renormalize:
-        weights = _renormalize(weights)
+        if config.score == "softmax":
+            # the chosen softmax scores sum to at least the largest, >= 1 / E: never zero
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            weights = _renormalize(weights)
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
     return Routing(weights, expert_ids, normalized)

@@ -171,6 +171,30 @@ def permute(
     return Permutation(rows, sorted_probs, split_sizes, token_index)
 
 
+def sort_by_expert(
+    tokens: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor, split_sizes: torch.Tensor
+) -> Permutation:
+    """:func:`permute` of a router's own choice: every id in ``[0, E)``, nothing dropped,
+    the experts in order, and ``split_sizes`` (``[E]`` int64, the rows per expert) already
+    counted. It computes what :func:`permute` computes for such a choice, without the
+    checks and the dropped-row steps that cannot apply."""
+    order = torch.argsort(expert_ids.reshape(-1), stable=True)
+    source_token = torch.div(order, expert_ids.shape[1], rounding_mode="floor")
+    rows = tokens.index_select(0, source_token)
+    return Permutation(rows, probs.reshape(-1).index_select(0, order), split_sizes, source_token)
+
+
+def combine_sorted(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """:func:`unpermute` of :func:`sort_by_expert`'s rows (``token_index`` its int64 indices,
+    every one in ``[0, num_tokens)``): ``[num_tokens, H]``, sums per token. float32 and
+    float64 rows take autograd's own ``index_add``; half-precision rows accumulate in
+    float32 as :func:`unpermute` does."""
+    if rows.dtype in (torch.float16, torch.bfloat16):
+        return unpermute(rows, token_index, num_tokens)
+    out = torch.zeros(num_tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    return out.index_add_(0, token_index, rows)
+
+
 def _checked_expert_order(expert_order: object, num_experts: int) -> torch.Tensor:
     """``expert_order`` as int64 after checking it is a permutation of ``range(num_experts)``."""
     if not isinstance(expert_order, torch.Tensor) or expert_order.shape != (num_experts,):

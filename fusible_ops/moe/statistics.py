@@ -19,6 +19,8 @@ LOSS_NAMES = ("load_balancing", "z_loss")
 _RECORDED, _DROPPED, _LOSS0, _FLOAT64 = 0, 1, 2, 2 + len(LOSS_NAMES)
 #: buffers whose dtype ``module.to(dtype)`` must keep (float64 holds any loss exactly)
 KEEP_DTYPE_BUFFERS = ("_loss_stat",)
+#: the flags of a forward that computed no balancing loss
+_NO_LOSSES = tuple((_LOSS0 + slot, 0) for slot in range(len(LOSS_NAMES))) + ((_FLOAT64, 0),)
 
 
 class MoEStatistics:
@@ -35,21 +37,46 @@ class MoEStatistics:
 
     def _record_load(self, load: torch.Tensor, dropped_load: torch.Tensor | None) -> None:
         """Record the rows routed to each expert and, with a capacity, the dropped ones."""
-        self._load_stat.copy_(load)
+        buffers = self._buffers
+        buffers["_load_stat"].copy_(load)
         if dropped_load is not None:
-            self._dropped_stat.copy_(dropped_load)
-        self._stat_flags[_RECORDED].fill_(1)
-        self._stat_flags[_DROPPED].fill_(int(dropped_load is not None))
+            buffers["_dropped_stat"].copy_(dropped_load)
+        self._set_flags(((_RECORDED, 1), (_DROPPED, int(dropped_load is not None))))
 
     def _record_losses(self, losses: dict[str, torch.Tensor]) -> None:
         """Record the unscaled balancing losses of a training forward (detached)."""
+        if not losses:
+            self._set_flags(_NO_LOSSES)
+            return
         for slot, name in enumerate(LOSS_NAMES):
             value = losses.get(name)
-            self._stat_flags[_LOSS0 + slot].fill_(int(value is not None))
             if value is not None:
-                self._loss_stat[slot].copy_(value.detach())
+                self._buffers["_loss_stat"][slot].copy_(value.detach())
         float64 = any(value.dtype == torch.float64 for value in losses.values())
-        self._stat_flags[_FLOAT64].fill_(int(float64))
+        flags = [(_LOSS0 + slot, int(name in losses)) for slot, name in enumerate(LOSS_NAMES)]
+        self._set_flags((*flags, (_FLOAT64, int(float64))))
+
+    def _set_flags(self, values: tuple[tuple[int, int], ...]) -> None:
+        """Write ``(slot, value)`` pairs into the flags buffer. An eager call skips the pairs
+        the buffer already holds: what this module last wrote, when it is the same buffer
+        and nothing has written it since (its version counter)."""
+        flags = self._buffers["_stat_flags"]
+        if torch.compiler.is_compiling():
+            for slot, value in values:
+                flags[slot].fill_(value)
+            return
+        known = self.__dict__.get("_flags_written")
+        held: frozenset = frozenset()
+        if known is not None and known[0] is flags and known[1] == flags._version:
+            held = known[2]
+            if held.issuperset(values):
+                return
+        for slot, value in values:
+            if (slot, value) not in held:
+                flags[slot].fill_(value)
+        slots = {slot for slot, _ in values}
+        held = frozenset([pair for pair in held if pair[0] not in slots] + list(values))
+        self.__dict__["_flags_written"] = (flags, flags._version, held)
 
     @property
     def last_expert_load(self) -> torch.Tensor | None:

@@ -1,0 +1,291 @@
+"""The fuser's fast path: one call signature's eager call, guarded in a few checks.
+
+A fuser keeps, per call signature, every metadata check and the plan (see
+:mod:`.signature`). Finding them still means computing the signature, and running
+them means the general plan machinery: per-op contexts, kwargs, result checks. Once a
+signature's calls have passed every check (forward, and backward when it computes
+gradients), and its plan is one fused op that can bind itself to the signature
+(``bind_call``), the fuser keeps a :class:`FastCall`: the signature's facts as guards,
+and the bound op. A later call whose guards hold runs the ops' value checks (split
+sizes, on every call) and then the bound op directly: no signature, no contexts.
+
+The guards cover everything the signature holds: every tensor's type, shape, strides,
+dtype, device, dispatch keys and ``requires_grad`` (one ``TensorGuards`` check, the
+check Dynamo's compiled frames run), which extra inputs are the same object, each
+parameter's identity (so ``functional_call`` and parametrizations miss), the grad,
+inference and autocast modes, the settings, the rule registry, the ops' training
+flags and hooks, and that no dispatch mode is active. A call that misses takes the
+general path, which is always correct; nothing here changes what is computed.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core.settings import RECIPE_CONTEXT_USED, THREAD_SETTINGS
+from ..core.splits import forget_split_reads
+from .function import _owned
+from .recompute import inside_tracked_call
+from .rules import _registry_version as _REGISTRY_VERSION
+from .rules import compares_by_value, registry_version
+from .signature import autocast_state
+
+try:  # the guard Dynamo's compiled frames use; without it there is no fast path
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # pragma: no cover - every supported torch has it
+    TensorGuards = None
+
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_is_autocast_enabled = torch.is_autocast_enabled
+_functorch_transforms = torch._C._are_functorch_transforms_active
+_training = operator.attrgetter("training")
+
+#: a signature whose fast call was rebuilt this many times (its guards failing on new
+#: parameter objects or strides) gets none any more: it would cost a rebuild per call
+MAX_REBUILDS = 4
+
+
+def _picker(positions: list[int]) -> Callable[[tuple], tuple]:
+    """``values -> tuple(values[i] for i in positions)``, in C where it can be."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    if positions:
+        (position,) = positions
+        return lambda values: (values[position],)
+    return lambda values: ()
+
+
+def fast_path_reason(fuser: Any, prepared: Any, extra_inputs: tuple, param_dicts: list) -> str | None:
+    """Why this prepared call gets no fast path (None: it can have one)."""
+    if TensorGuards is None:
+        return "torch has no TensorGuards"
+    plan = prepared.plan
+    if len(plan.forward) != 1 or len(plan.backward) != 1 or plan.forward[0].op is not plan.backward[0].op:
+        return "the plan is not one fused op"
+    if not hasattr(plan.forward[0].op, "bind_call"):
+        return f"{type(plan.forward[0].op).__name__} cannot bind a call"
+    if plan.recipe is not None:
+        return "a low-precision recipe"
+    if any(type(value) is not torch.Tensor for value in extra_inputs):
+        return "an extra input that is not a plain tensor"
+    distinct = list({id(value): value for value in extra_inputs}.values())
+    if sum([compares_by_value(value) for value in distinct]) > 1:
+        # the plan depends on whether their values are equal, which no guard checks
+        return "distinct split-size tensors, whose values the plan compares"
+    for op, params in zip(fuser.ops, param_dicts):
+        registered = op._parameters
+        for name, tensor in params.items():
+            if tensor is not None and (registered.get(name) is not tensor or name in op.__dict__):
+                return f"{op.op_name()}.{name} is not a registered parameter"
+    return None
+
+
+class FastCall:
+    """One prepared call signature of ``fuser``: its guards and its bound op.
+
+    ``__call__(input_, extra_inputs)`` returns the call's result, or None when a guard
+    fails (the caller then takes the general path).
+    """
+
+    __slots__ = (
+        "fuser", "ops", "plan", "bound", "requires_grad", "facts_key", "grad_enabled",
+        "inference_mode", "registry", "device_type", "autocast", "training", "hook_dicts",
+        "param_dicts", "param_names", "params", "num_extra", "pair_left", "pair_right", "pairs_same",
+        "pick_distinct", "tensor_guard", "value_checks", "frozen", "rebuilds",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        fuser: Any,
+        prepared: Any,
+        bound: Any,
+        input_: torch.Tensor,
+        extra_inputs: tuple,
+        param_dicts: list[dict[str, torch.Tensor | None]],
+    ) -> None:
+        self.fuser = fuser
+        self.ops = tuple(fuser.ops)
+        self.plan = prepared.plan
+        self.bound = bound
+        self.requires_grad = prepared.state is not None
+        self.facts_key = THREAD_SETTINGS.facts_key
+        self.grad_enabled = _is_grad_enabled()
+        self.inference_mode = _is_inference_mode_enabled()
+        self.registry = registry_version()
+        self.device_type = "cpu" if input_.is_cpu else input_.device.type
+        self.autocast = autocast_state(self.device_type)
+        self.training = tuple(op.training for op in self.ops)
+        # the hook dicts nn.Module's register_*_hook methods add to (in place)
+        self.hook_dicts = tuple(
+            d
+            for op in self.ops
+            for d in (op._forward_pre_hooks, op._forward_hooks, op._backward_hooks, op._backward_pre_hooks)
+        )
+        named = [(op, name, t) for op, params in zip(self.ops, param_dicts) for name, t in params.items()]
+        named = [entry for entry in named if entry[2] is not None]
+        self.param_dicts = tuple(op._parameters for op, _, _ in named)
+        self.param_names = tuple(name for _, name, _ in named)
+        self.params = tuple(t for _, _, t in named)
+        n = self.num_extra = len(extra_inputs)
+        pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+        self.pair_left = _picker([i for i, _ in pairs])
+        self.pair_right = _picker([j for _, j in pairs])
+        self.pairs_same = tuple(extra_inputs[i] is extra_inputs[j] for i, j in pairs)
+        # each distinct tensor once (a TensorGuards check fails on the same tensor twice)
+        distinct = [i for i in range(n) if all(extra_inputs[i] is not extra_inputs[j] for j in range(i))]
+        self.pick_distinct = None if len(distinct) == n else _picker(distinct)
+        tensors = (input_, *[extra_inputs[i] for i in distinct], *self.params)
+        self.tensor_guard = TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        )
+        # one of each set of equal value checks on the same extra inputs (see value_check_key)
+        first_seen = [next(j for j in range(n) if extra_inputs[j] is extra_inputs[i]) for i in range(n)]
+        checks, keys = [], set()
+        for index, meta, part in prepared.value_checks:
+            key = self.ops[index].value_check_key(meta)
+            if key is not None:
+                key = (key, tuple(first_seen[part]))
+                if key in keys:
+                    continue
+                keys.add(key)
+            checks.append((index, meta, part, self.ops[index].bind_value_check(meta)))
+        self.value_checks = tuple(checks)
+        #: parameters that needed no gradient at forward (backward refuses them unfrozen)
+        self.frozen = tuple((op, name, t) for op, name, t in named if not t.requires_grad)
+        self.rebuilds = 0
+
+    def guards_hold(self, input_: torch.Tensor, extra_inputs: tuple) -> bool:
+        """Whether this call has the signature this fast call was made for."""
+        if (
+            len(extra_inputs) != self.num_extra
+            or THREAD_SETTINGS.facts_key != self.facts_key
+            or _is_grad_enabled() is not self.grad_enabled
+            or _is_inference_mode_enabled() is not self.inference_mode
+            or _REGISTRY_VERSION[0] != self.registry
+            or _dispatch_modes()
+            or _functorch_transforms()
+            # a differentiable forward that must record its context recipe (see recompute)
+            or (RECIPE_CONTEXT_USED[0] and self.requires_grad and self.fuser.recipe is None
+                and not inside_tracked_call())
+            or any(self.hook_dicts)
+            or tuple(map(_training, self.ops)) != self.training
+            # each parameter read as param_tensors reads it: the same object as when bound
+            or not all(map(operator.is_, map(dict.get, self.param_dicts, self.param_names), self.params))
+            or tuple(map(operator.is_, self.pair_left(extra_inputs), self.pair_right(extra_inputs)))
+            != self.pairs_same
+        ):
+            return False
+        enabled, dtype = self.autocast
+        if _is_autocast_enabled(self.device_type) is not enabled or (
+            enabled and torch.get_autocast_dtype(self.device_type) != dtype
+        ):
+            return False
+        pick = self.pick_distinct
+        distinct = extra_inputs if pick is None else pick(extra_inputs)
+        return self.tensor_guard.check(input_, *distinct, *self.params)
+
+    def __call__(self, input_: torch.Tensor, extra_inputs: tuple) -> Any:
+        if not self.guards_hold(input_, extra_inputs):
+            return None
+        fuser = self.fuser
+        forget_split_reads()
+        for index, meta, part, check in self.value_checks:
+            try:
+                if check is None:
+                    self.ops[index].check_values(meta, extra_inputs[part])
+                else:
+                    check(extra_inputs[part])
+            except (ValueError, TypeError) as error:
+                raise fuser._located(error, index, meta) from None
+        fuser._thread_plans.plan = self.plan
+        if not self.requires_grad:
+            return self.bound.forward(input_, extra_inputs, self.params, False)[0]
+        # Function.apply's Python part only handles functorch transforms, which the guards exclude
+        return _apply(input_, self, extra_inputs, *extra_inputs, *self.params)
+
+
+class FastFunction(torch.autograd.Function):
+    """The autograd Function of a :class:`FastCall` (eager only).
+
+    Receives every extra input and parameter as an argument (a tensor given twice gets
+    two gradients, which autograd adds); saves the parameters like any input autograd
+    keeps, so an in-place change before backward is caught by autograd's version check.
+    """
+
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, fast: FastCall, extra_inputs: tuple, *args: Any):
+        params = fast.params
+        y, saved, facts = fast.bound.forward(input_, extra_inputs, params, True)
+        ctx.save_for_backward(*params, *saved)
+        ctx.fast, ctx.facts = fast, facts
+        return _owned(y, input_) if y._is_view() else y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        fast: FastCall = ctx.fast
+        for op, name, tensor in fast.frozen:
+            if tensor.requires_grad:
+                raise RuntimeError(
+                    f"{op.op_name()}: parameter {name!r} was set to require grad after forward; its "
+                    "gradient cannot be computed from what forward saved. Set requires_grad before "
+                    "the forward pass (or run forward again)"
+                )
+        saved = ctx.saved_tensors
+        num_params = len(fast.params)
+        grad_input, grad_extra, grad_params = fast.bound.backward(
+            saved[num_params:], ctx.facts, saved[:num_params], grad_output
+        )
+        return (grad_input, None, None, *grad_extra, *grad_params)
+
+
+# the C entry point under torch.autograd.Function.apply
+_apply = super(torch.autograd.Function, FastFunction).apply
+
+
+def fast_call_of(
+    fuser: Any,
+    key: tuple,
+    prepared: Any,
+    input_: torch.Tensor,
+    extra_inputs: tuple,
+    param_dicts: list[dict[str, torch.Tensor | None]],
+) -> FastCall | None:
+    """The fast call of ``fuser``'s prepared signature ``key`` (this call's), made the first
+    time it is needed once every check of the signature has passed (forward, and backward
+    when it computes gradients); None when it has none (yet). Why it has none is kept in
+    ``fuser._fast_calls`` in its place."""
+    known = fuser._fast_calls.get(key)
+    if type(known) is str:
+        return None
+    if known is not None and known.guards_hold(input_, extra_inputs):
+        return known
+    checks = prepared.signature_checks
+    if checks is None or not checks.forward or (prepared.state is not None and not checks.backward):
+        return None  # not every check has passed yet
+    rebuilds = 0 if known is None else known.rebuilds + 1
+    reason = fast_path_reason(fuser, prepared, extra_inputs, param_dicts)
+    if reason is None and rebuilds > MAX_REBUILDS:
+        reason = "its guards kept failing (new parameter tensors or strides on every call)"
+    bound = None
+    if reason is None:
+        op = prepared.plan.forward[0].op
+        grad_flags = None if prepared.state is None else prepared.state.ctx_flags
+        bound = op.bind_call(input_, extra_inputs, param_dicts, grad_flags)
+        if bound is None:
+            reason = f"{type(op).__name__} declined to bind this signature"
+    if reason is not None:
+        fuser._fast_calls.put(key, reason)
+        return None
+    fast = FastCall(fuser, prepared, bound, input_, extra_inputs, param_dicts)
+    fast.rebuilds = rebuilds
+    fuser._fast_calls.put(key, fast)
+    return fast

@@ -1,0 +1,370 @@
+"""The fuser's fast path: a signature's later calls run its bound op behind guards.
+
+Every case compares the fast call with the same call taken by the general path (a deep
+copy's first call: same values, no fast path yet), bit for bit, and with the float64
+reference; every guard is changed after the fast path is in place and must send the
+call back to the general path with the right result.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import reference_ops as ref
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusible_ops as fo
+import fusible_ops.core.settings as settings_module
+import fusible_ops.fuser.operation_fuser as operation_fuser
+from fusible_ops.fuser.fast_path import MAX_REBUILDS
+
+SPLITS = [5, 0, 7, 4]
+ROWS, HIDDEN, FFN, EXPERTS = 16, 32, 16, 4
+
+
+def make_block(dtype=torch.float32, *, bias=False, scale_after=False, kind="swiglu", layout="out_in"):
+    torch.manual_seed(0)
+    act = {"swiglu": (fo.SwiGLU, fo.ScaledSwiGLU), "geglu": (fo.GEGLU, fo.ScaledGEGLU)}[kind]
+    fc1 = fo.GroupedLinear(EXPERTS, HIDDEN, 2 * FFN, bias=bias, dtype=dtype, weight_layout=layout)
+    fc2 = fo.GroupedLinear(EXPERTS, FFN, HIDDEN, bias=bias, dtype=dtype, weight_layout=layout)
+    if bias:
+        with torch.no_grad():
+            fc1.bias.normal_()
+            fc2.bias.normal_()
+    if scale_after:
+        return fo.Sequential(fc1, act[0](), fc2, fo.Scale())
+    return fo.Sequential(fc1, act[1](), fc2)
+
+
+def extras(block, splits, probs):
+    return (splits, splits, probs) if len(block) == 4 else (splits, probs, splits)
+
+
+def fuser_of(block):
+    return block._get_groups()[0][1]
+
+
+@pytest.fixture
+def signatures(monkeypatch):
+    """How often a call computed its signature (the fast path does not)."""
+    calls = []
+    original = operation_fuser.call_signature
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(operation_fuser, "call_signature", counted)
+    return calls
+
+
+def inputs(dtype, rows=ROWS, *, grad=True, shape=None):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(*(shape or (rows, HIDDEN)), generator=gen).to(dtype).requires_grad_(grad)
+    probs = torch.rand(rows, generator=gen).requires_grad_(grad)
+    grad_y = torch.randn(*(shape or (rows, HIDDEN))[:-1], HIDDEN, generator=gen).to(dtype)
+    return x, probs, grad_y
+
+
+def run(block, x, probs, splits, grad_y):
+    """Output and the gradients of x, probs and every parameter (None where not needed)."""
+    y = block(x, *extras(block, splits, probs))
+    leaves = [t for t in (x, probs, *block.parameters()) if t.requires_grad]
+    if not y.requires_grad:
+        return y, []
+    return y, list(torch.autograd.grad(y, leaves, grad_y))
+
+
+def warm(block, x, probs, splits, grad_y, signatures):
+    """Calls until the fast path is in place; the next call must not compute a signature."""
+    for _ in range(3):
+        run(block, x, probs, splits, grad_y)
+    assert fuser_of(block)._fast is not None, fuser_of(block)._fast_calls._entries
+    before = len(signatures)
+    result = run(block, x, probs, splits, grad_y)
+    assert len(signatures) == before, "the call did not take the fast path"
+    return result
+
+
+def assert_same(got, want):
+    (y, grads), (y_ref, grads_ref) = got, want
+    assert torch.equal(y, y_ref)
+    assert len(grads) == len(grads_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.equal(g, g_ref)
+
+
+CASES = {
+    "fp32 (one _grouped_mm per GEMM)": dict(dtype=torch.float32),
+    "bf16": dict(dtype=torch.bfloat16),
+    "fp64 (per-group hooks)": dict(dtype=torch.float64),
+    "biases, scale after fc2": dict(dtype=torch.float32, bias=True, scale_after=True),
+    "GEGLU (composed activation)": dict(dtype=torch.float32, kind="geglu"),
+    "in_out weights": dict(dtype=torch.float32, layout="in_out"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["fwd+bwd", "no_grad", "frozen weights", "input only"])
+def test_fast_call_equals_the_general_path(case, mode, signatures):
+    options = CASES[case]
+    dtype = options["dtype"]
+    block = make_block(**options)
+    general = copy.deepcopy(block)  # its first call takes the general path
+    x, probs, grad_y = inputs(dtype, grad=mode not in ("no_grad", "frozen weights"))
+    if mode in ("frozen weights", "input only"):
+        for module in (block, general):
+            module.requires_grad_(False)
+    splits = torch.tensor(SPLITS)
+    context = torch.no_grad() if mode == "no_grad" else torch.enable_grad()
+    with context:
+        got = warm(block, x, probs, splits, grad_y, signatures)
+        want = run(general, x, probs, splits, grad_y)
+    assert_same(got, want)
+    assert str(block.last_plan) == str(general.last_plan)
+    # and both against the float64 reference
+    bias = options.get("bias", False)
+    params = {n: p.detach().double().requires_grad_(p.requires_grad) for n, p in block.named_parameters()}
+    x64, probs64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (x, probs))
+    act = options.get("kind", "swiglu")
+    w1, w2 = params["0.weight"], params["2.weight"]
+    if options.get("layout") == "in_out":
+        w1, w2 = w1.transpose(-2, -1), w2.transpose(-2, -1)
+    with torch.enable_grad():
+        if options.get("scale_after"):
+            hidden = ref.grouped_linear(x64, w1, params.get("0.bias"), SPLITS)
+            expected = ref.grouped_linear(ref.activation(act, hidden), w2, params.get("2.bias"), SPLITS)
+            expected = expected * probs64.unsqueeze(-1)
+        else:
+            expected = ref.expert_block(
+                x64, w1, probs64, w2, SPLITS, kind=act,
+                fc1_bias=params.get("0.bias") if bias else None, fc2_bias=params.get("2.bias") if bias else None,
+            )  # fmt: skip
+    # error model: the reduction lengths here are at most 2 * FFN = 32 terms
+    tols = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 6e-2}
+    tol = tols[dtype]
+    torch.testing.assert_close(got[0].double(), expected.detach(), rtol=tol, atol=tol)
+    leaves = [t for t in (x64, probs64, *params.values()) if t.requires_grad]
+    if leaves:  # every gradient, the empty group's weight gradients (exact zeros) included
+        want_grads = torch.autograd.grad(expected, leaves, grad_y.double())
+        for g, w in zip(got[1], want_grads):
+            tol = max(tols[g.dtype], tols[dtype])  # the probs are float32 whatever the block's dtype
+            torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * max(1.0, w.abs().max().item()))
+
+
+def test_three_dimensional_input_and_an_empty_group(signatures):
+    block = make_block()
+    general = copy.deepcopy(block)
+    x, probs, grad_y = inputs(torch.float32, shape=(4, 4, HIDDEN))
+    splits = torch.tensor([0, 8, 8, 0])
+    assert_same(warm(block, x, probs, splits, grad_y, signatures), run(general, x, probs, splits, grad_y))
+
+
+def warmed(dtype=torch.float32, **options):
+    block = make_block(dtype, **options)
+    x, probs, grad_y = inputs(dtype)
+    splits = torch.tensor(SPLITS)
+    for _ in range(3):
+        run(block, x, probs, splits, grad_y)
+    assert fuser_of(block)._fast is not None
+    return block, x, probs, splits, grad_y
+
+
+def reference_run(block, x, probs, splits, grad_y):
+    """The general path's answer for the block's current parameters and these inputs."""
+    return run(copy.deepcopy(block), x, probs, splits, grad_y)
+
+
+def test_a_new_shape_and_new_split_values(signatures):
+    block, *_ = warmed()
+    x, probs, grad_y = inputs(torch.float32, rows=9)
+    splits = torch.tensor([1, 2, 3, 3])
+    assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
+
+
+def test_split_values_written_in_place_are_read_and_checked(signatures):
+    block, x, probs, splits, grad_y = warmed()
+    splits.copy_(torch.tensor([0, 16, 0, 0]))
+    assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
+    splits.copy_(torch.tensor([4, 4, 4, 5]))
+    weights = [p.detach().clone() for p in block.parameters()]
+    with pytest.raises(ValueError) as general:
+        reference_run(block, x, probs, splits, grad_y)
+    before = len(signatures)
+    with pytest.raises(ValueError, match="sum to 17 but the input has 16 rows") as fast:
+        run(block, x, probs, splits, grad_y)
+    assert len(signatures) == before, "the refusal came from the fast path"
+    assert str(fast.value) == str(general.value)
+    for p, w in zip(block.parameters(), weights):
+        assert torch.equal(p, w) and p.grad is None
+    splits.copy_(torch.tensor([-1, 9, 4, 4]))
+    with pytest.raises(ValueError, match="must be non-negative"):
+        run(block, x, probs, splits, grad_y)
+
+
+def test_freezing_and_replacing_parameters(signatures):
+    block, x, probs, splits, grad_y = warmed()
+    block[2].weight.requires_grad_(False)
+    y = block(x, *extras(block, splits, probs))
+    y.backward(grad_y)
+    assert block[2].weight.grad is None and block[0].weight.grad is not None
+    block[0].weight.grad = None
+    block[0].weight = torch.nn.Parameter(torch.randn_like(block[0].weight))
+    assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
+
+
+def test_unfrozen_after_forward_and_changed_in_place_before_backward():
+    block, x, probs, splits, grad_y = warmed()
+    block[2].weight.requires_grad_(False)
+    for _ in range(3):
+        run(block, x, probs, splits, grad_y)  # a fast call for the frozen signature
+    y = block(x, *extras(block, splits, probs))
+    block[2].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="'weight' was set to require grad after forward"):
+        y.backward(grad_y)
+    y = block(x, *extras(block, splits, probs))
+    with torch.no_grad():
+        block[0].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(grad_y)
+
+
+def test_a_late_hook_runs(signatures):
+    block, x, probs, splits, grad_y = warmed()
+    seen = []
+    block[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    run(block, x, probs, splits, grad_y)
+    assert seen == [torch.Size([ROWS, FFN])]
+    assert "forward hook on op 1" in str(block.last_plan)
+
+
+def test_settings_training_autocast_and_inference_mode_leave_the_fast_path(signatures):
+    block, x, probs, splits, grad_y = warmed()
+    with fo.settings(fusion=False):
+        assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
+        assert "GroupedMLP" not in str(block.last_plan)
+    block.eval()
+    before = len(signatures)
+    assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
+    assert len(signatures) > before
+    block.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run(block, x, probs, splits, grad_y)
+        want = reference_run(block, x, probs, splits, grad_y)
+    assert got[0].dtype == torch.bfloat16
+    assert_same(got, want)
+    with torch.inference_mode():
+        y = block(x.detach(), *extras(block, splits, probs.detach()))
+    assert torch.equal(y, reference_run(block, x, probs, splits, grad_y)[0])
+    assert "GroupedMLP" in str(block.last_plan)
+
+
+class Recording(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_dispatch_mode_sees_the_library_ops(signatures):
+    block, x, probs, splits, grad_y = warmed()
+    with Recording() as mode:
+        with torch.no_grad():
+            y = block(x, *extras(block, splits, probs))
+    assert any("fusible_ops.grouped_mlp_forward" in op for op in mode.ops)
+    with torch.no_grad():
+        assert torch.equal(y, block(x, *extras(block, splits, probs)))
+
+
+def test_split_objects_and_strides_that_differ_from_the_bound_call(signatures):
+    block, x, probs, splits, grad_y = warmed()
+    other = splits.clone()  # equal values, another object: compared by value, still fused
+    y = block(x, splits, probs, other)
+    assert torch.equal(y, reference_run(block, x, probs, splits, grad_y)[0])
+    assert "GroupedMLP" in str(block.last_plan)
+    strided = torch.randn(HIDDEN, ROWS).t().requires_grad_(True)  # the same shape, other strides
+    assert_same(
+        run(block, strided, probs, splits, grad_y), reference_run(block, strided, probs, splits, grad_y)
+    )
+
+
+def test_functional_call_with_new_tensors_on_every_call():
+    block, x, probs, splits, grad_y = warmed()
+    for step in range(MAX_REBUILDS + 3):
+        new_w2 = torch.randn_like(block[2].weight, requires_grad=True)
+        y = torch.func.functional_call(block, {"2.weight": new_w2}, (x, splits, probs, splits))
+        expected = ref.expert_block(x, block[0].weight, probs, new_w2, SPLITS)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+        (got,) = torch.autograd.grad(y, [new_w2], grad_y)
+        (want,) = torch.autograd.grad(expected, [new_w2], grad_y)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    reasons = [v for v in fuser_of(block)._fast_calls._entries.values() if isinstance(v, str)]
+    assert reasons and "kept failing" in reasons[0]
+
+
+def test_a_deep_copy_computes_with_its_own_parameters():
+    block, x, probs, splits, grad_y = warmed()
+    twin = copy.deepcopy(block)
+    with torch.no_grad():
+        twin[0].weight.mul_(2)
+    for _ in range(4):
+        got = run(twin, x, probs, splits, grad_y)
+    assert not torch.equal(got[0], run(block, x, probs, splits, grad_y)[0])
+    assert_same(got, reference_run(twin, x, probs, splits, grad_y))
+
+
+def test_split_lists_take_the_general_path():
+    block = make_block()
+    x, probs, grad_y = inputs(torch.float32)
+    for _ in range(4):
+        y, _ = run(block, x, probs, SPLITS, grad_y)
+    assert fuser_of(block)._fast is None
+    reasons = list(fuser_of(block)._fast_calls._entries.values())
+    assert reasons == ["an extra input that is not a plain tensor"]
+    torch.testing.assert_close(y, ref.expert_block(x, block[0].weight, probs, block[2].weight, SPLITS))
+
+
+@pytest.fixture
+def recipe_context_used():
+    used = settings_module.RECIPE_CONTEXT_USED
+    before = used[0]
+    used[0] = True
+    yield
+    used[0] = before
+
+
+def test_a_process_that_used_a_recipe_context_still_records_each_forward(recipe_context_used, signatures):
+    """Once a recipe was set through a context, differentiable forwards record their context
+    recipe (for activation-checkpointing recomputation); fast calls do too."""
+    block = make_block()
+    general = copy.deepcopy(block)
+    x, probs, grad_y = inputs(torch.float32)
+    splits = torch.tensor(SPLITS)
+    assert_same(warm(block, x, probs, splits, grad_y, signatures), run(general, x, probs, splits, grad_y))
+    y = block(x, *extras(block, splits, probs))
+    assert fuser_of(block)._live_forward_recipes == {None: 1}
+    del y
+    assert fuser_of(block)._live_forward_recipes == {None: 0}
+
+
+def test_equal_split_tensors_given_as_two_objects_take_the_general_path(signatures):
+    """The plan of distinct split-size tensors depends on whether their values are equal:
+    after calls with equal values, a call with different ones must not reuse it."""
+    block = make_block()
+    x, probs, grad_y = inputs(torch.float32)
+    fc1_splits, fc2_splits = torch.tensor(SPLITS), torch.tensor(SPLITS)
+    for _ in range(4):
+        y = block(x, fc1_splits, probs, fc2_splits)
+    assert "GroupedMLP" in str(block.last_plan) and fuser_of(block)._fast is None
+    fc2_splits.copy_(torch.tensor([4, 4, 4, 4]))
+    y = block(x, fc1_splits, probs, fc2_splits)
+    assert "GroupedMLP" not in str(block.last_plan)
+    hidden = ref.grouped_linear(x.detach().double(), block[0].weight.detach().double(), None, SPLITS)
+    act = ref.activation("swiglu", hidden) * probs.detach().double().unsqueeze(-1)
+    expected = ref.grouped_linear(act, block[2].weight.detach().double(), None, [4, 4, 4, 4])
+    torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-4)
