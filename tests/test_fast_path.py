@@ -8,6 +8,7 @@ call back to the general path with the right result.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -162,9 +163,11 @@ def test_three_dimensional_input_and_an_empty_group(signatures):
     assert_same(warm(block, x, probs, splits, grad_y, signatures), run(general, x, probs, splits, grad_y))
 
 
-def warmed(dtype=torch.float32, **options):
+def warmed(dtype=torch.float32, grad=True, **options):
+    """A block whose next call of these inputs takes the fast path (``grad``: the inputs need
+    a gradient)."""
     block = make_block(dtype, **options)
-    x, probs, grad_y = inputs(dtype)
+    x, probs, grad_y = inputs(dtype, grad=grad)
     splits = torch.tensor(SPLITS)
     for _ in range(3):
         run(block, x, probs, splits, grad_y)
@@ -204,15 +207,20 @@ def test_split_values_written_in_place_are_read_and_checked(signatures):
         run(block, x, probs, splits, grad_y)
 
 
-def test_freezing_and_replacing_parameters(signatures):
+def test_a_frozen_parameter(signatures):
     block, x, probs, splits, grad_y = warmed()
     block[2].weight.requires_grad_(False)
     y = block(x, *extras(block, splits, probs))
     y.backward(grad_y)
     assert block[2].weight.grad is None and block[0].weight.grad is not None
-    block[0].weight.grad = None
+
+
+def test_a_replaced_parameter(signatures):
+    block, x, probs, splits, grad_y = warmed()
     block[0].weight = torch.nn.Parameter(torch.randn_like(block[0].weight))
+    before = len(signatures)
     assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
+    assert len(signatures) > before + 1, "the replaced parameter took the fast path"
 
 
 def test_unfrozen_after_forward_and_changed_in_place_before_backward():
@@ -240,25 +248,42 @@ def test_a_late_hook_runs(signatures):
     assert "forward hook on op 1" in str(block.last_plan)
 
 
-def test_settings_training_autocast_and_inference_mode_leave_the_fast_path(signatures):
-    block, x, probs, splits, grad_y = warmed()
-    with fo.settings(fusion=False):
-        assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
-        assert "GroupedMLP" not in str(block.last_plan)
+def _eval(block):
     block.eval()
-    before = len(signatures)
-    assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
-    assert len(signatures) > before
-    block.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = run(block, x, probs, splits, grad_y)
+    return contextlib.nullcontext()
+
+
+CHANGES = {
+    "settings": lambda block: fo.settings(fusion=False),
+    "training flag": _eval,
+    "autocast": lambda block: torch.autocast("cpu", dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_the_plan_depends_on_leaves_the_fast_path(change, signatures):
+    block, x, probs, splits, grad_y = warmed()
+    with CHANGES[change](block):
         want = reference_run(block, x, probs, splits, grad_y)
-    assert got[0].dtype == torch.bfloat16
-    assert_same(got, want)
+        before = len(signatures)
+        got = run(block, x, probs, splits, grad_y)
+        assert len(signatures) > before, "the call took the fast path"
+        assert_same(got, want)
+        assert str(block.last_plan) == str(want_plan(block, x, probs, splits))
+
+
+def want_plan(block, x, probs, splits):
+    return copy.deepcopy(block).explain(x, *extras(block, splits, probs))
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_inference_mode_leaves_the_fast_path(grad, signatures):
+    block, x, probs, splits, grad_y = warmed(grad=grad)
+    before = len(signatures)
     with torch.inference_mode():
         y = block(x.detach(), *extras(block, splits, probs.detach()))
+    assert len(signatures) > before
     assert torch.equal(y, reference_run(block, x, probs, splits, grad_y)[0])
-    assert "GroupedMLP" in str(block.last_plan)
 
 
 class Recording(TorchDispatchMode):
@@ -272,13 +297,11 @@ class Recording(TorchDispatchMode):
 
 
 def test_a_dispatch_mode_sees_the_library_ops(signatures):
-    block, x, probs, splits, grad_y = warmed()
+    block, x, probs, splits, grad_y = warmed(grad=False)
     with Recording() as mode:
-        with torch.no_grad():
-            y = block(x, *extras(block, splits, probs))
+        y = block(x, *extras(block, splits, probs))
     assert any("fusible_ops.grouped_mlp_forward" in op for op in mode.ops)
-    with torch.no_grad():
-        assert torch.equal(y, block(x, *extras(block, splits, probs)))
+    assert torch.equal(y, block(x, *extras(block, splits, probs)))
 
 
 def test_split_objects_and_strides_that_differ_from_the_bound_call(signatures):
@@ -368,3 +391,24 @@ def test_equal_split_tensors_given_as_two_objects_take_the_general_path(signatur
     act = ref.activation("swiglu", hidden) * probs.detach().double().unsqueeze(-1)
     expected = ref.grouped_linear(act, block[2].weight.detach().double(), None, [4, 4, 4, 4])
     torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_grad_mode_leaves_the_fast_path(signatures):
+    """A block warmed under no_grad, with parameters that require grad: a call with grad
+    enabled must build the library's autograd node (and the other way round)."""
+    block = make_block()
+    x, probs, grad_y = inputs(torch.float32, grad=False)
+    splits = torch.tensor(SPLITS)
+    with torch.no_grad():
+        for _ in range(3):
+            block(x, *extras(block, splits, probs))
+    assert fuser_of(block)._fast is not None and not fuser_of(block)._fast.requires_grad
+    y = block(x, *extras(block, splits, probs))
+    # the library's autograd node, not autograd recording the kernels' torch ops one by one
+    assert type(y.grad_fn).__name__ in ("FuserFunctionBackward", "FastFunctionBackward")
+    assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
+    for _ in range(3):
+        run(block, x, probs, splits, grad_y)
+    assert fuser_of(block)._fast.requires_grad
+    with torch.no_grad():
+        assert block(x, *extras(block, splits, probs)).grad_fn is None
