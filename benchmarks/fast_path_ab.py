@@ -38,12 +38,12 @@ def step(seq, x, splits, scales, fast: bool):  # noqa: ANN001, ANN201
         out.backward(torch.ones_like(out))
 
     def general() -> None:  # no fast call is used or made: the call takes the general path
-        original, kept = operation_fuser.fast_call_of, fuser._fast
-        operation_fuser.fast_call_of, fuser._fast = (lambda *args: None), None
+        original, kept = operation_fuser.fast_call_of, fuser._fast_index
+        operation_fuser.fast_call_of, fuser._fast_index = (lambda *args: None), {}
         try:
             call()
         finally:
-            operation_fuser.fast_call_of, fuser._fast = original, kept
+            operation_fuser.fast_call_of, fuser._fast_index = original, kept
 
     return call if fast else general
 
@@ -65,7 +65,7 @@ def main() -> None:
         for _ in range(3):  # the fast call is in place from the third call on
             fused()
         fuser = seq._get_groups()[0][1]
-        assert fuser._fast is not None, f"no fast call: {list(fuser._fast_calls._entries.values())}"
+        assert fuser._fast_index, f"no fast call: {list(fuser._fast_calls._entries.values())}"
         variants = {"general path": step(seq, x, splits, scales, fast=False), "fast path": fused}
         report(f"{title}, {args.dtype}, forward+backward", time_rounds(variants, args.rounds), "general path")
 

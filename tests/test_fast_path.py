@@ -47,6 +47,12 @@ def fuser_of(block):
     return block._get_groups()[0][1]
 
 
+def fast_of(block, grad: bool = True):
+    """The block's fast call for its inputs' shape under this grad mode, or None."""
+    calls = [fast for (_, grad_enabled), fast in fuser_of(block)._fast_index.items() if grad_enabled == grad]
+    return calls[-1] if calls else None
+
+
 @pytest.fixture
 def signatures(monkeypatch):
     """How often a call computed its signature (the fast path does not)."""
@@ -82,7 +88,7 @@ def warm(block, x, probs, splits, grad_y, signatures):
     """Calls until the fast path is in place; the next call must not compute a signature."""
     for _ in range(3):
         run(block, x, probs, splits, grad_y)
-    assert fuser_of(block)._fast is not None, fuser_of(block)._fast_calls._entries
+    assert fast_of(block, torch.is_grad_enabled()) is not None, fuser_of(block)._fast_calls._entries
     before = len(signatures)
     result = run(block, x, probs, splits, grad_y)
     assert len(signatures) == before, "the call did not take the fast path"
@@ -171,7 +177,7 @@ def warmed(dtype=torch.float32, grad=True, **options):
     splits = torch.tensor(SPLITS)
     for _ in range(3):
         run(block, x, probs, splits, grad_y)
-    assert fuser_of(block)._fast is not None
+    assert fast_of(block) is not None
     return block, x, probs, splits, grad_y
 
 
@@ -346,7 +352,7 @@ def test_split_lists_take_the_general_path():
     x, probs, grad_y = inputs(torch.float32)
     for _ in range(4):
         y, _ = run(block, x, probs, SPLITS, grad_y)
-    assert fuser_of(block)._fast is None
+    assert not fuser_of(block)._fast_index
     reasons = list(fuser_of(block)._fast_calls._entries.values())
     assert reasons == ["an extra input that is not a plain tensor"]
     torch.testing.assert_close(y, ref.expert_block(x, block[0].weight, probs, block[2].weight, SPLITS))
@@ -383,7 +389,7 @@ def test_equal_split_tensors_given_as_two_objects_take_the_general_path(signatur
     fc1_splits, fc2_splits = torch.tensor(SPLITS), torch.tensor(SPLITS)
     for _ in range(4):
         y = block(x, fc1_splits, probs, fc2_splits)
-    assert "GroupedMLP" in str(block.last_plan) and fuser_of(block)._fast is None
+    assert "GroupedMLP" in str(block.last_plan) and not fuser_of(block)._fast_index
     fc2_splits.copy_(torch.tensor([4, 4, 4, 4]))
     y = block(x, fc1_splits, probs, fc2_splits)
     assert "GroupedMLP" not in str(block.last_plan)
@@ -402,13 +408,34 @@ def test_grad_mode_leaves_the_fast_path(signatures):
     with torch.no_grad():
         for _ in range(3):
             block(x, *extras(block, splits, probs))
-    assert fuser_of(block)._fast is not None and not fuser_of(block)._fast.requires_grad
+    assert fast_of(block, grad=False) is not None and fast_of(block, grad=True) is None
     y = block(x, *extras(block, splits, probs))
     # the library's autograd node, not autograd recording the kernels' torch ops one by one
     assert type(y.grad_fn).__name__ in ("FuserFunctionBackward", "FastFunctionBackward")
     assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
     for _ in range(3):
         run(block, x, probs, splits, grad_y)
-    assert fuser_of(block)._fast.requires_grad
+    assert fast_of(block, grad=True).requires_grad
     with torch.no_grad():
         assert block(x, *extras(block, splits, probs)).grad_fn is None
+
+
+def test_alternating_shapes_and_settings_each_keep_their_fast_call(signatures):
+    """Token counts that change from call to call, and an unfused call in between, do not
+    send the next call of a known signature to the general path."""
+    block = make_block()
+    calls = []
+    for rows, sizes in ((16, SPLITS), (9, [1, 2, 3, 3])):
+        x, probs, grad_y = inputs(torch.float32, rows=rows)
+        calls.append((x, probs, torch.tensor(sizes), grad_y))
+    for _ in range(3):
+        for x, probs, splits, grad_y in calls:
+            run(block, x, probs, splits, grad_y)
+    before = len(signatures)
+    for _ in range(2):
+        for x, probs, splits, grad_y in calls:
+            assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
+            with fo.settings(fusion=False):
+                run(block, x, probs, splits, grad_y)
+    # the general path ran only for the deep copies' first calls and the unfused calls
+    assert len(signatures) - before == 2 * len(calls) * 2

@@ -262,12 +262,13 @@ def fast_call_of(
     """The fast call of ``fuser``'s prepared signature ``key`` (this call's), made the first
     time it is needed once every check of the signature has passed (forward, and backward
     when it computes gradients); None when it has none (yet). Why it has none is kept in
-    ``fuser._fast_calls`` in its place."""
+    ``fuser._fast_calls`` in its place. A fast call is also indexed by the input's shape and
+    the grad mode, where a call looks it up."""
     known = fuser._fast_calls.get(key)
     if type(known) is str:
         return None
     if known is not None and known.guards_hold(input_, extra_inputs):
-        return known
+        return _indexed(fuser, known, input_)
     checks = prepared.signature_checks
     if checks is None or not checks.forward or (prepared.state is not None and not checks.backward):
         return None  # not every check has passed yet
@@ -288,4 +289,17 @@ def fast_call_of(
     fast = FastCall(fuser, prepared, bound, input_, extra_inputs, param_dicts)
     fast.rebuilds = rebuilds
     fuser._fast_calls.put(key, fast)
+    return _indexed(fuser, fast, input_)
+
+
+#: fast calls a fuser indexes (by input shape and grad mode) before it starts afresh
+MAX_INDEXED = 16
+
+
+def _indexed(fuser: Any, fast: FastCall, input_: torch.Tensor) -> FastCall:
+    """``fast``, found by the next call with this input shape and grad mode (one lookup)."""
+    index = fuser._fast_index
+    if len(index) >= MAX_INDEXED:
+        index.clear()
+    index[(input_.shape, fast.grad_enabled)] = fast
     return fast

@@ -69,9 +69,9 @@ class OperationFuser(HookedSegments):
         self._segments: dict[tuple[bool, ...], list] = {}
         self._thread_plans: threading.local | None = None
         self._prepared = BoundedCache()
-        #: the fast call of the signature used last (see fast_path), or None; and per
-        #: prepared signature its FastCall, or a str saying why it has none
-        self._fast: FastCall | None = None
+        #: fast calls (see fast_path) by input shape and grad mode, and per prepared
+        #: signature its FastCall or a str saying why it has none
+        self._fast_index: dict[tuple, FastCall] = {}
         self._fast_calls = BoundedCache()
         self._extra_counts = [op.num_extra_inputs for op in self.ops]
         #: extra inputs a call takes, all ops together
@@ -87,7 +87,7 @@ class OperationFuser(HookedSegments):
         state = self.__dict__.copy()
         state["_thread_plans"] = None
         # fast calls hold this fuser's parameters and guards: a copy makes its own
-        state["_fast"], state["_fast_calls"] = None, BoundedCache()
+        state["_fast_index"], state["_fast_calls"] = {}, BoundedCache()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -352,11 +352,12 @@ class OperationFuser(HookedSegments):
                 if result is not None:
                     return result
         else:
-            fast = self._fast
-            if fast is not None and basic_op_kwargs is None and param_dicts is None:
-                result = fast(input_, extra_inputs)
-                if result is not None:
-                    return result
+            if basic_op_kwargs is None and param_dicts is None and isinstance(input_, torch.Tensor):
+                fast = self._fast_index.get((input_.shape, torch.is_grad_enabled()))
+                if fast is not None:
+                    result = fast(input_, extra_inputs)
+                    if result is not None:
+                        return result
             forget_split_reads()  # what start_call does in eager
             if RECIPE_CONTEXT_USED[0] and self.recipe is None and not inside_tracked_call():
                 return call_tracking_recipe(
@@ -375,7 +376,7 @@ class OperationFuser(HookedSegments):
             prepared = None if keyed is None else self._prepared.get(keyed[0])
             if prepared is not None:
                 result = self._run_prepared(prepared, input_, extra_inputs, keyed[1], param_dicts)
-                self._fast = fast_call_of(self, keyed[0], prepared, input_, extra_inputs, param_dicts)
+                fast_call_of(self, keyed[0], prepared, input_, extra_inputs, param_dicts)
                 return result
         per_op_extra = self.split_extra_inputs(extra_inputs)
         if basic_op_kwargs is None:

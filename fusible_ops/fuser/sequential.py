@@ -359,8 +359,9 @@ class Sequential(CheckedLoadStateDict, torch.nn.Module):
             groups = self._get_groups(compiling)
             fuser = groups[0][1] if len(groups) == 1 else None
             if fuser is not None and len(extra_inputs) == fuser.num_extra_inputs:
-                if not compiling:  # (a traced call never reads the fast call: no guard on it)
-                    fast = fuser._fast  # see fuser.fast_path: its guards hold, or it answers None
+                if not compiling and isinstance(input, torch.Tensor):  # (traced: no guard on it)
+                    # see fuser.fast_path: its guards hold, or it answers None
+                    fast = fuser._fast_index.get((input.shape, torch.is_grad_enabled()))
                     if fast is not None:
                         result = fast(input, extra_inputs)
                         if result is not None:
