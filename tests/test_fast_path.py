@@ -439,3 +439,25 @@ def test_alternating_shapes_and_settings_each_keep_their_fast_call(signatures):
                 run(block, x, probs, splits, grad_y)
     # the general path ran only for the deep copies' first calls and the unfused calls
     assert len(signatures) - before == 2 * len(calls) * 2
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_across_the_first_fast_call(use_reentrant):
+    """The forward of one step takes the general path and its recomputation the fast call
+    (or the other way round): the gradients are those of the plain calls."""
+    block = make_block()
+    plain = copy.deepcopy(block)
+    x, probs, grad_y = inputs(torch.float32)
+    splits = torch.tensor(SPLITS)
+    for step in range(4):
+        leaves = [t.detach().requires_grad_(True) for t in (x, probs)]
+        block.zero_grad(set_to_none=True)
+        y = torch.utils.checkpoint.checkpoint(
+            block, leaves[0], *extras(block, splits, leaves[1]), use_reentrant=use_reentrant
+        )
+        y.backward(grad_y)
+        got = [leaves[0].grad, leaves[1].grad, *(p.grad for p in block.parameters())]
+        want = run(plain, x, probs, splits, grad_y)
+        assert torch.equal(y, want[0]), step
+        for g, w in zip(got, want[1]):
+            assert torch.equal(g, w), step
