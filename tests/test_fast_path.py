@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import reference_ops as ref
@@ -461,3 +463,23 @@ def test_activation_checkpointing_across_the_first_fast_call(use_reentrant):
         assert torch.equal(y, want[0]), step
         for g, w in zip(got, want[1]):
             assert torch.equal(g, w), step
+
+
+def test_fast_calls_keep_no_module_or_replaced_parameter_alive():
+    """Without the garbage collector: a dropped block and a replaced parameter are freed
+    as soon as nothing else refers to them (no reference cycle, no strong reference)."""
+    gc.disable()
+    try:
+        block, x, probs, splits, grad_y = warmed()
+        old_weight = weakref.ref(block[0].weight)
+        block[0].weight = torch.nn.Parameter(torch.randn_like(block[0].weight))
+        assert old_weight() is None
+        run(block, x, probs, splits, grad_y)
+        with torch.no_grad():
+            for _ in range(3):
+                block(x, *extras(block, splits, probs))
+        alive = [weakref.ref(block), weakref.ref(fuser_of(block)), weakref.ref(block[2].weight)]
+        del block
+        assert [ref() for ref in alive] == [None, None, None]
+    finally:
+        gc.enable()

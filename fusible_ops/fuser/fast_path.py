@@ -21,6 +21,7 @@ general path, which is always correct; nothing here changes what is computed.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _is_autocast_enabled = torch.is_autocast_enabled
 _functorch_transforms = torch._C._are_functorch_transforms_active
 _training = operator.attrgetter("training")
+_referent = weakref.ref.__call__
 
 #: a signature whose fast call was rebuilt this many times (its guards failing on new
 #: parameter objects or strides) gets none any more: it would cost a rebuild per call
@@ -87,17 +89,19 @@ def fast_path_reason(fuser: Any, prepared: Any, extra_inputs: tuple, param_dicts
 
 
 class FastCall:
-    """One prepared call signature of ``fuser``: its guards and its bound op.
+    """One prepared call signature of a fuser: its guards and its bound op.
 
-    ``__call__(input_, extra_inputs)`` returns the call's result, or None when a guard
-    fails (the caller then takes the general path).
+    ``__call__(fuser, input_, extra_inputs)`` returns the call's result, or None when a
+    guard fails (the caller then takes the general path). It keeps no reference to the
+    fuser (which keeps it) and only weak ones to the parameters, so a replaced parameter
+    or a dropped module is freed as it would be without it.
     """
 
     __slots__ = (
-        "fuser", "ops", "plan", "bound", "requires_grad", "facts_key", "grad_enabled",
+        "ops", "plan", "bound", "requires_grad", "tracks_recipe", "facts_key", "grad_enabled",
         "inference_mode", "registry", "device_type", "autocast", "training", "hook_dicts",
-        "param_dicts", "param_names", "params", "num_extra", "pair_left", "pair_right", "pairs_same",
-        "pick_distinct", "tensor_guard", "value_checks", "frozen", "rebuilds",
+        "param_dicts", "param_names", "param_refs", "num_extra", "pair_left", "pair_right",
+        "pairs_same", "pick_distinct", "tensor_guard", "value_checks", "frozen", "rebuilds",
     )  # fmt: skip
 
     def __init__(
@@ -109,11 +113,13 @@ class FastCall:
         extra_inputs: tuple,
         param_dicts: list[dict[str, torch.Tensor | None]],
     ) -> None:
-        self.fuser = fuser
         self.ops = tuple(fuser.ops)
         self.plan = prepared.plan
         self.bound = bound
         self.requires_grad = prepared.state is not None
+        #: a differentiable forward of a fuser without its own recipe, which must record its
+        #: context recipe once a recipe context was used (see recompute)
+        self.tracks_recipe = self.requires_grad and fuser.recipe is None
         self.facts_key = THREAD_SETTINGS.facts_key
         self.grad_enabled = _is_grad_enabled()
         self.inference_mode = _is_inference_mode_enabled()
@@ -131,7 +137,8 @@ class FastCall:
         named = [entry for entry in named if entry[2] is not None]
         self.param_dicts = tuple(op._parameters for op, _, _ in named)
         self.param_names = tuple(name for _, name, _ in named)
-        self.params = tuple(t for _, _, t in named)
+        params = tuple(t for _, _, t in named)
+        self.param_refs = tuple(weakref.ref(t) for t in params)
         n = self.num_extra = len(extra_inputs)
         pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
         self.pair_left = _picker([i for i, _ in pairs])
@@ -140,7 +147,7 @@ class FastCall:
         # each distinct tensor once (a TensorGuards check fails on the same tensor twice)
         distinct = [i for i in range(n) if all(extra_inputs[i] is not extra_inputs[j] for j in range(i))]
         self.pick_distinct = None if len(distinct) == n else _picker(distinct)
-        tensors = (input_, *[extra_inputs[i] for i in distinct], *self.params)
+        tensors = (input_, *[extra_inputs[i] for i in distinct], *params)
         self.tensor_guard = TensorGuards(
             *tensors,
             dynamic_dims_sizes=[list(t.shape) for t in tensors],
@@ -158,13 +165,18 @@ class FastCall:
                 keys.add(key)
             checks.append((index, meta, part, self.ops[index].bind_value_check(meta)))
         self.value_checks = tuple(checks)
-        #: parameters that needed no gradient at forward (backward refuses them unfrozen)
-        self.frozen = tuple((op, name, t) for op, name, t in named if not t.requires_grad)
+        #: ``(op, name, position)`` of the parameters that needed no gradient at forward
+        #: (backward refuses them unfrozen)
+        self.frozen = tuple((op, name, k) for k, (op, name, t) in enumerate(named) if not t.requires_grad)
         self.rebuilds = 0
 
-    def guards_hold(self, input_: torch.Tensor, extra_inputs: tuple) -> bool:
-        """Whether this call has the signature this fast call was made for."""
+    def guards_hold(self, input_: torch.Tensor, extra_inputs: tuple) -> tuple | None:
+        """The call's parameters when it has the signature this fast call was made for, else None."""
+        # each parameter read as param_tensors reads it: the same object as when bound
+        params = tuple(map(dict.get, self.param_dicts, self.param_names))
         if (
+            not all(map(operator.is_, params, map(_referent, self.param_refs)))
+            or
             len(extra_inputs) != self.num_extra
             or THREAD_SETTINGS.facts_key != self.facts_key
             or _is_grad_enabled() is not self.grad_enabled
@@ -173,29 +185,26 @@ class FastCall:
             or _dispatch_modes()
             or _functorch_transforms()
             # a differentiable forward that must record its context recipe (see recompute)
-            or (RECIPE_CONTEXT_USED[0] and self.requires_grad and self.fuser.recipe is None
-                and not inside_tracked_call())
+            or (RECIPE_CONTEXT_USED[0] and self.tracks_recipe and not inside_tracked_call())
             or any(self.hook_dicts)
             or tuple(map(_training, self.ops)) != self.training
-            # each parameter read as param_tensors reads it: the same object as when bound
-            or not all(map(operator.is_, map(dict.get, self.param_dicts, self.param_names), self.params))
             or tuple(map(operator.is_, self.pair_left(extra_inputs), self.pair_right(extra_inputs)))
             != self.pairs_same
         ):
-            return False
+            return None
         enabled, dtype = self.autocast
         if _is_autocast_enabled(self.device_type) is not enabled or (
             enabled and torch.get_autocast_dtype(self.device_type) != dtype
         ):
-            return False
+            return None
         pick = self.pick_distinct
         distinct = extra_inputs if pick is None else pick(extra_inputs)
-        return self.tensor_guard.check(input_, *distinct, *self.params)
+        return params if self.tensor_guard.check(input_, *distinct, *params) else None
 
-    def __call__(self, input_: torch.Tensor, extra_inputs: tuple) -> Any:
-        if not self.guards_hold(input_, extra_inputs):
+    def __call__(self, fuser: Any, input_: torch.Tensor, extra_inputs: tuple) -> Any:
+        params = self.guards_hold(input_, extra_inputs)
+        if params is None:
             return None
-        fuser = self.fuser
         forget_split_reads()
         for index, meta, part, check in self.value_checks:
             try:
@@ -207,9 +216,9 @@ class FastCall:
                 raise fuser._located(error, index, meta) from None
         fuser._thread_plans.plan = self.plan
         if not self.requires_grad:
-            return self.bound.forward(input_, extra_inputs, self.params, False)[0]
+            return self.bound.forward(input_, extra_inputs, params, False)[0]
         # Function.apply's Python part only handles functorch transforms, which the guards exclude
-        return _apply(input_, self, extra_inputs, *extra_inputs, *self.params)
+        return _apply(input_, self, extra_inputs, params, *extra_inputs, *params)
 
 
 class FastFunction(torch.autograd.Function):
@@ -221,30 +230,28 @@ class FastFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_: torch.Tensor, fast: FastCall, extra_inputs: tuple, *args: Any):
-        params = fast.params
+    def forward(ctx, input_: torch.Tensor, fast: FastCall, extra_inputs: tuple, params: tuple, *args: Any):
         y, saved, facts = fast.bound.forward(input_, extra_inputs, params, True)
         ctx.save_for_backward(*params, *saved)
-        ctx.fast, ctx.facts = fast, facts
+        ctx.fast, ctx.facts, ctx.num_params = fast, facts, len(params)
         return _owned(y, input_) if y._is_view() else y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         fast: FastCall = ctx.fast
-        for op, name, tensor in fast.frozen:
-            if tensor.requires_grad:
+        saved, num_params = ctx.saved_tensors, ctx.num_params
+        for op, name, position in fast.frozen:
+            if saved[position].requires_grad:
                 raise RuntimeError(
                     f"{op.op_name()}: parameter {name!r} was set to require grad after forward; its "
                     "gradient cannot be computed from what forward saved. Set requires_grad before "
                     "the forward pass (or run forward again)"
                 )
-        saved = ctx.saved_tensors
-        num_params = len(fast.params)
         grad_input, grad_extra, grad_params = fast.bound.backward(
             saved[num_params:], ctx.facts, saved[:num_params], grad_output
         )
-        return (grad_input, None, None, *grad_extra, *grad_params)
+        return (grad_input, None, None, None, *grad_extra, *grad_params)
 
 
 # the C entry point under torch.autograd.Function.apply
@@ -267,7 +274,7 @@ def fast_call_of(
     known = fuser._fast_calls.get(key)
     if type(known) is str:
         return None
-    if known is not None and known.guards_hold(input_, extra_inputs):
+    if known is not None and known.guards_hold(input_, extra_inputs) is not None:
         return _indexed(fuser, known, input_)
     checks = prepared.signature_checks
     if checks is None or not checks.forward or (prepared.state is not None and not checks.backward):

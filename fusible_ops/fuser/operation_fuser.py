@@ -355,7 +355,7 @@ class OperationFuser(HookedSegments):
             if basic_op_kwargs is None and param_dicts is None and isinstance(input_, torch.Tensor):
                 fast = self._fast_index.get((input_.shape, torch.is_grad_enabled()))
                 if fast is not None:
-                    result = fast(input_, extra_inputs)
+                    result = fast(self, input_, extra_inputs)
                     if result is not None:
                         return result
             forget_split_reads()  # what start_call does in eager

@@ -363,7 +363,7 @@ class Sequential(CheckedLoadStateDict, torch.nn.Module):
                     # see fuser.fast_path: its guards hold, or it answers None
                     fast = fuser._fast_index.get((input.shape, torch.is_grad_enabled()))
                     if fast is not None:
-                        result = fast(input, extra_inputs)
+                        result = fast(fuser, input, extra_inputs)
                         if result is not None:
                             return result
                 return fuser(input, *extra_inputs)  # one fuser group, nothing to route
