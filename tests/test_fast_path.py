@@ -349,15 +349,37 @@ def test_a_deep_copy_computes_with_its_own_parameters():
     assert_same(got, reference_run(twin, x, probs, splits, grad_y))
 
 
-def test_split_lists_take_the_general_path():
+@pytest.mark.parametrize("mode", ["fwd+bwd", "no_grad"])
+def test_split_lists(mode, signatures):
+    """One list given to fc1 and fc2 takes the fast call, its values read and checked on
+    every call; two distinct (equal) lists take the general path, which compares them."""
     block = make_block()
-    x, probs, grad_y = inputs(torch.float32)
-    for _ in range(4):
-        y, _ = run(block, x, probs, SPLITS, grad_y)
-    assert not fuser_of(block)._fast_index
-    reasons = list(fuser_of(block)._fast_calls._entries.values())
-    assert reasons == ["an extra input that is not a plain tensor"]
-    torch.testing.assert_close(y, ref.expert_block(x, block[0].weight, probs, block[2].weight, SPLITS))
+    general = copy.deepcopy(block)
+    x, probs, grad_y = inputs(torch.float32, grad=mode == "fwd+bwd")
+    splits = list(SPLITS)
+    context = torch.no_grad() if mode == "no_grad" else torch.enable_grad()
+    with context:
+        assert_same(warm(block, x, probs, splits, grad_y, signatures), run(general, x, probs, splits, grad_y))
+        splits[:] = [0, 16, 0, 0]  # the same list, written in place
+        assert_same(run(block, x, probs, splits, grad_y), reference_run(block, x, probs, splits, grad_y))
+        for bad, message in (([4, 4, 4, 5], "sum to 17"), ([-1, 9, 4, 4], "non-negative"), ([8, 8, 0, True], "ints")):
+            splits[:] = bad
+            before = len(signatures)
+            with pytest.raises(ValueError, match=message):
+                run(block, x, probs, splits, grad_y)
+            assert len(signatures) == before, "the refusal came from the fast path"
+        as_floats = torch.tensor([4.0, 4.0, 4.0, 4.0])  # a tensor where the list was
+        with pytest.raises(ValueError, match="must be an integer tensor"):
+            block(x, as_floats, probs, as_floats)
+        splits[:] = [8, 8]  # another length: the general path refuses it
+        with pytest.raises(ValueError, match="length 2"):
+            run(block, x, probs, splits, grad_y)
+        fc1_splits, fc2_splits = list(SPLITS), list(SPLITS)
+        for _ in range(4):
+            y = block(x, fc1_splits, probs, fc2_splits)
+        reasons = [v for v in fuser_of(block)._fast_calls._entries.values() if isinstance(v, str)]
+        assert reasons == ["distinct split-size tensors, whose values the plan compares"]
+        torch.testing.assert_close(y, ref.expert_block(x, block[0].weight, probs, block[2].weight, SPLITS))
 
 
 @pytest.fixture

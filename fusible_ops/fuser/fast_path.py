@@ -48,6 +48,10 @@ _functorch_transforms = torch._C._are_functorch_transforms_active
 _training = operator.attrgetter("training")
 _referent = weakref.ref.__call__
 
+
+def _is_list(value: object) -> bool:
+    return type(value) is list
+
 #: a signature whose fast call was rebuilt this many times (its guards failing on new
 #: parameter objects or strides) gets none any more: it would cost a rebuild per call
 MAX_REBUILDS = 4
@@ -74,8 +78,8 @@ def fast_path_reason(fuser: Any, prepared: Any, extra_inputs: tuple, param_dicts
         return f"{type(plan.forward[0].op).__name__} cannot bind a call"
     if plan.recipe is not None:
         return "a low-precision recipe"
-    if any(type(value) is not torch.Tensor for value in extra_inputs):
-        return "an extra input that is not a plain tensor"
+    if any(type(value) is not torch.Tensor and type(value) is not list for value in extra_inputs):
+        return "an extra input that is neither a plain tensor nor a list"
     distinct = list({id(value): value for value in extra_inputs}.values())
     if sum([compares_by_value(value) for value in distinct]) > 1:
         # the plan depends on whether their values are equal, which no guard checks
@@ -101,7 +105,8 @@ class FastCall:
         "ops", "plan", "bound", "requires_grad", "tracks_recipe", "facts_key", "grad_enabled",
         "inference_mode", "registry", "device_type", "autocast", "training", "hook_dicts",
         "param_dicts", "param_names", "param_refs", "num_extra", "pair_left", "pair_right",
-        "pairs_same", "pick_distinct", "tensor_guard", "value_checks", "frozen", "rebuilds",
+        "pairs_same", "pick_distinct", "pick_lists", "list_lengths", "tensor_guard", "value_checks",
+        "frozen", "rebuilds",
     )  # fmt: skip
 
     def __init__(
@@ -144,10 +149,15 @@ class FastCall:
         self.pair_left = _picker([i for i, _ in pairs])
         self.pair_right = _picker([j for _, j in pairs])
         self.pairs_same = tuple(extra_inputs[i] is extra_inputs[j] for i, j in pairs)
-        # each distinct tensor once (a TensorGuards check fails on the same tensor twice)
+        # each distinct tensor once (a TensorGuards check fails on the same tensor twice);
+        # lists (split sizes) by type and length, their values checked on every call
         distinct = [i for i in range(n) if all(extra_inputs[i] is not extra_inputs[j] for j in range(i))]
-        self.pick_distinct = None if len(distinct) == n else _picker(distinct)
-        tensors = (input_, *[extra_inputs[i] for i in distinct], *params)
+        tensor_positions = [i for i in distinct if type(extra_inputs[i]) is torch.Tensor]
+        self.pick_distinct = None if len(tensor_positions) == n else _picker(tensor_positions)
+        list_positions = [i for i in distinct if type(extra_inputs[i]) is list]
+        self.pick_lists = _picker(list_positions) if list_positions else None
+        self.list_lengths = tuple(len(extra_inputs[i]) for i in list_positions)
+        tensors = (input_, *[extra_inputs[i] for i in tensor_positions], *params)
         self.tensor_guard = TensorGuards(
             *tensors,
             dynamic_dims_sizes=[list(t.shape) for t in tensors],
@@ -197,6 +207,11 @@ class FastCall:
             enabled and torch.get_autocast_dtype(self.device_type) != dtype
         ):
             return None
+        pick_lists = self.pick_lists
+        if pick_lists is not None:
+            lists = pick_lists(extra_inputs)
+            if not all(map(_is_list, lists)) or tuple(map(len, lists)) != self.list_lengths:
+                return None
         pick = self.pick_distinct
         distinct = extra_inputs if pick is None else pick(extra_inputs)
         return params if self.tensor_guard.check(input_, *distinct, *params) else None
