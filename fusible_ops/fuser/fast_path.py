@@ -9,13 +9,15 @@ gradients), and its plan is one fused op that can bind itself to the signature
 and the bound op. A later call whose guards hold runs the ops' value checks (split
 sizes, on every call) and then the bound op directly: no signature, no contexts.
 
-The guards cover everything the signature holds: every tensor's type, shape, strides,
-dtype, device, dispatch keys and ``requires_grad`` (one ``TensorGuards`` check, the
-check Dynamo's compiled frames run), which extra inputs are the same object, each
-parameter's identity (so ``functional_call`` and parametrizations miss), the grad,
-inference and autocast modes, the settings, the rule registry, the ops' training
-flags and hooks, and that no dispatch mode is active. A call that misses takes the
-general path, which is always correct; nothing here changes what is computed.
+A fuser finds its fast calls by the input's shape and the grad mode. The guards cover
+everything the signature holds: every tensor's type, shape, strides, dtype, device,
+dispatch keys and ``requires_grad`` (one ``TensorGuards`` check, the check Dynamo's
+compiled frames run), the type and length of a list of split sizes, which extra inputs
+are the same object, each parameter's identity (so ``functional_call`` and
+parametrizations miss), the grad, inference and autocast modes, the settings, the rule
+registry, the ops' training flags and hooks, and that no dispatch mode or functorch
+transform is active. A call that misses takes the general path, which is always
+correct; nothing here changes what is computed.
 """
 
 from __future__ import annotations
