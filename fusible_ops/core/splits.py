@@ -94,11 +94,6 @@ def read_host_splits(split_sizes: torch.Tensor) -> list[int]:
     return _last.value.values_of(split_sizes)
 
 
-def check_split_values(op_name: str, values: list[int], num_rows: int) -> None:
-    """Raise ``ValueError`` unless host split sizes are non-negative and sum to ``num_rows``."""
-    _check_values(op_name, values, num_rows)
-
-
 def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows: int) -> None:
     """Raise ``ValueError`` when ``split_sizes`` is unusable (host values checked eagerly)."""
     if isinstance(split_sizes, torch.Tensor):
@@ -125,7 +120,7 @@ def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows:
         values = last.values_of(split_sizes)
         if (num_groups, num_rows) in last.checked:
             return
-        _check_values(op_name, values, num_rows)
+        check_split_values(op_name, values, num_rows)
         last.checked.add((num_groups, num_rows))
         return
     elif isinstance(split_sizes, (list, tuple)):
@@ -136,14 +131,15 @@ def check_split_sizes(op_name: str, split_sizes: Any, num_groups: int, num_rows:
                 f"{op_name}: split_sizes has length {len(split_sizes)}; expected {num_groups} (one per group)"
             )
         values = list(split_sizes)
-        _check_values(op_name, values, num_rows)
+        check_split_values(op_name, values, num_rows)
     else:
         raise ValueError(
             f"{op_name}: split_sizes must be a 1-D integer tensor or a list of ints, got {type(split_sizes).__name__}"
         )
 
 
-def _check_values(op_name: str, values: list[int], num_rows: int) -> None:
+def check_split_values(op_name: str, values: list[int], num_rows: int) -> None:
+    """Raise ``ValueError`` unless host split sizes are non-negative and sum to ``num_rows``."""
     if values and min(values) < 0:
         raise ValueError(f"{op_name}: split_sizes must be non-negative, got {values}")
     if sum(values) != num_rows:

@@ -33,21 +33,25 @@ class BoundGroupedMLP:
         "in_out", "needs", "save_x", "input_2d", "scales_1d", "num_extra", "host_splits", "plain",
     )  # fmt: skip
 
-    def __init__(self, op: Any, kernels: Any, positions: tuple, needs: tuple, input_2d: bool,
-                 scales_1d: bool, num_extra: int) -> None:  # fmt: skip
-        self.kernels = kernels
-        self.num_extra = num_extra
-        #: split sizes in a CPU tensor (the signature fixes the device): read on the host
-        self.host_splits = False
+    def __init__(self, op: Any, positions: tuple, needs: tuple, input_: Tensor, extra_inputs: tuple,
+                 params: tuple) -> None:  # fmt: skip
+        """``input_``, ``extra_inputs`` and ``params``: the first call's (the signature's metadata)."""
+        self.num_extra = len(extra_inputs)
         self.scales_at, self.w1_at, self.b1_at, self.w2_at, self.b2_at = positions
         self.in_features, self.out_features = op.fc1.in_features, op.fc2.out_features
         self.in_out = (op.fc1.weight_layout == "in_out", op.fc2.weight_layout == "in_out")
         self.needs = needs
         self.save_x = needs[1]
-        self.input_2d = input_2d
-        self.scales_1d = scales_1d
+        self.input_2d = input_.dim() == 2
+        self.scales_1d = extra_inputs[self.scales_at].dim() == 1
+        split_sizes = extra_inputs[0]
+        #: split sizes in a CPU tensor (the signature fixes the device): read on the host
+        self.host_splits = type(split_sizes) is torch.Tensor and split_sizes.is_cpu
         #: the parameters are exactly (fc1.weight, fc2.weight), both out_in
         self.plain = positions[1:] == (0, None, 1, None) and not any(self.in_out)
+        x = input_ if self.input_2d else input_.reshape(-1, self.in_features)
+        operands = (x, *self._weights(params))
+        self.kernels = op.choice.backend.bind_mlp(op.spec, op.scale_after_fc2, operands)
 
     def _weights(self, params: tuple) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
         if self.plain:
@@ -159,12 +163,4 @@ def bind_grouped_mlp(
         wants(grad_2, p2["bias"]),
         bool(scales.requires_grad),
     )
-    bound = BoundGroupedMLP(
-        op, None, positions, needs, input_.dim() == 2, scales.dim() == 1, len(extra_inputs)
-    )
-    w1, b1, w2, b2 = bound._weights(tuple(params))
-    x = input_ if bound.input_2d else input_.reshape(-1, op.fc1.in_features)
-    bound.kernels = backend.bind_mlp(op.spec, op.scale_after_fc2, (x, w1, b1, w2, b2))
-    split_sizes = extra_inputs[0]
-    bound.host_splits = type(split_sizes) is torch.Tensor and split_sizes.is_cpu
-    return bound
+    return BoundGroupedMLP(op, positions, needs, input_, extra_inputs, tuple(params))

@@ -31,7 +31,7 @@ import torch
 
 from ..core.settings import RECIPE_CONTEXT_USED, THREAD_SETTINGS
 from ..core.splits import forget_split_reads
-from .function import _owned
+from .function import _owned, unfrozen_error
 from .recompute import inside_tracked_call
 from .rules import _registry_version as _REGISTRY_VERSION
 from .rules import compares_by_value, registry_version
@@ -260,11 +260,7 @@ class FastFunction(torch.autograd.Function):
         saved, num_params = ctx.saved_tensors, ctx.num_params
         for op, name, position in fast.frozen:
             if saved[position].requires_grad:
-                raise RuntimeError(
-                    f"{op.op_name()}: parameter {name!r} was set to require grad after forward; its "
-                    "gradient cannot be computed from what forward saved. Set requires_grad before "
-                    "the forward pass (or run forward again)"
-                )
+                raise unfrozen_error(op, name)
         grad_input, grad_extra, grad_params = fast.bound.backward(
             saved[num_params:], ctx.facts, saved[:num_params], grad_output
         )

@@ -160,11 +160,16 @@ def _check_unfrozen(state: CallState, flat_params: Sequence[torch.Tensor]) -> No
     """
     for index, name, pos in state.frozen_params:
         if flat_params[pos].requires_grad:
-            raise RuntimeError(
-                f"{state.ops[index].op_name()}: parameter {name!r} was set to require grad after "
-                "forward; its gradient cannot be computed from what forward saved. Set "
-                "requires_grad before the forward pass (or run forward again)"
-            )
+            raise unfrozen_error(state.ops[index], name)
+
+
+def unfrozen_error(op: Any, name: str) -> RuntimeError:
+    """The refusal of a backward whose parameter ``name`` of ``op`` was unfrozen after forward."""
+    return RuntimeError(
+        f"{op.op_name()}: parameter {name!r} was set to require grad after forward; its gradient "
+        "cannot be computed from what forward saved. Set requires_grad before the forward pass "
+        "(or run forward again)"
+    )
 
 
 def _check_grad_buffers(state: CallState) -> None:

@@ -21,6 +21,13 @@ from .library import _mlp_backward_impl, _mlp_forward_impl
 Tensor = torch.Tensor
 
 
+def like_scales(grad_scales: Tensor | None, scales: Tensor) -> Tensor | None:
+    """The scales' gradient in their dtype and shape (what ``fc2_dgrad_act`` returns)."""
+    if grad_scales is not None and (grad_scales.dtype != scales.dtype or grad_scales.shape != scales.shape):
+        return grad_scales.to(scales.dtype).reshape(scales.shape)
+    return grad_scales
+
+
 class CheckedHooks:
     """``backend``'s public GEMM methods for arguments that passed their checks for this
     signature: each goes straight to the hook it would reach."""
@@ -53,9 +60,7 @@ class CheckedHooks:
         sizes, backend = self._sizes(split_sizes, offsets, grad_y), self.backend
         hook = backend._fc2_dgrad_act if self.fuses else backend._composed_fc2_dgrad_act
         grad_pre, grad_scales, act = hook(grad_y, weight, pre, sizes, offsets, activation, scales)
-        if grad_scales is not None and (grad_scales.dtype != scales.dtype or grad_scales.shape != scales.shape):
-            grad_scales = grad_scales.to(scales.dtype).reshape(scales.shape)
-        return grad_pre, grad_scales, act
+        return grad_pre, like_scales(grad_scales, scales), act
 
     def dgrad(self, grad_out, weight, split_sizes, offsets, *, out=None):  # noqa: ANN001, ANN201
         sizes = self._sizes(split_sizes, offsets, grad_out)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..bound_mlp import BoundMLP
+from ..bound_mlp import BoundMLP, like_scales
 from .backend import (
     _backward_block,
     _column_major,
@@ -100,8 +100,5 @@ class CpuBoundMLP(BoundMLP):
                 w1 = _column_major(w1)
             grad_input = torch._grouped_mm(grad_pre, w1, offs=offsets)
         grad_w1 = torch._grouped_mm(grad_pre.t(), x, offs=offsets) if need_w1 else None
-        if not need_scales:
-            grad_scales = None
-        elif grad_scales.dtype != scales.dtype or grad_scales.shape != scales.shape:
-            grad_scales = grad_scales.to(scales.dtype).reshape(scales.shape)
+        grad_scales = like_scales(grad_scales, scales) if need_scales else None
         return grad_input, grad_w1, None, grad_w2, None, grad_scales
